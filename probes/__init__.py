@@ -1,0 +1,1 @@
+"""fleettop.probes: observes (eBPF, procfs, NVML, pressure files, the proxy addon)."""

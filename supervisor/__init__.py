@@ -1,0 +1,1 @@
+"""fleettop.supervisor: the headless core. Decides and acts; never imports the UI."""

@@ -1,0 +1,1 @@
+"""fleettop.supervisor.demo."""

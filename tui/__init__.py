@@ -1,0 +1,1 @@
+"""fleettop.tui: the Textual app over the supervisor's snapshots and commands."""
