@@ -1,0 +1,215 @@
+"""cgroup v2: one cgroup per agent under a fleettop parent, the freezer, and cleanup.
+
+Layout: `<v2 root>/fleettop/<fleet-id>.<supervisor pid>/<agent>`. The supervisor itself
+stays where it was started; only agents live under `fleettop/`, so the parent has no
+processes of its own and controllers can be enabled for the children (cgroup v2's
+"no internal processes" rule). v2 is found from /proc/self/mounts: `/sys/fs/cgroup` on
+unified systems, `/sys/fs/cgroup/unified` on hybrid ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BASE_NAME = "fleettop"
+
+
+def find_v2_mount(mounts: str = "/proc/self/mounts") -> Path | None:
+    try:
+        with open(mounts) as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "cgroup2":
+                    return Path(parts[1])
+    except OSError:
+        return None
+    return None
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+def read_events(cg: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in _read(cg / "cgroup.events").splitlines():
+        key, _, value = line.partition(" ")
+        out[key] = int(value or 0)
+    return out
+
+
+def procs(cg: Path) -> list[int]:
+    """Every process in the cgroup and below (an agent's whole tree)."""
+    pids: list[int] = []
+    for dirpath, _dirs, _files in os.walk(cg):
+        try:
+            pids += [int(p) for p in _read(Path(dirpath) / "cgroup.procs").split()]
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def is_frozen(cg: Path) -> bool:
+    return read_events(cg).get("frozen") == 1
+
+
+def freeze(cg: Path, timeout: float = 1.0) -> bool:
+    """Freeze atomically; True once the kernel reports `frozen 1` (usually within 0.1 ms)."""
+    _write(cg / "cgroup.freeze", "1")
+    return _wait_events(cg, "frozen", 1, timeout)
+
+
+def thaw(cg: Path, timeout: float = 1.0) -> bool:
+    _write(cg / "cgroup.freeze", "0")
+    return _wait_events(cg, "frozen", 0, timeout)
+
+
+def _wait_events(cg: Path, key: str, want: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    delay = 0.00005
+    while True:
+        if read_events(cg).get(key) == want:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.005)
+
+
+def kill_all(cg: Path, sig: int = signal.SIGKILL) -> None:
+    """SIGKILL via cgroup.kill (atomic, catches forks in flight); other signals per pid."""
+    if sig == signal.SIGKILL and (cg / "cgroup.kill").exists():
+        with contextlib.suppress(OSError):
+            _write(cg / "cgroup.kill", "1")
+            return
+    for pid in procs(cg):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def remove(cg: Path, timeout: float = 2.0) -> bool:
+    """rmdir the cgroup and its children once empty (kills what is left first)."""
+    if not cg.exists():
+        return True
+    if procs(cg):
+        kill_all(cg)
+    deadline = time.monotonic() + timeout
+    for dirpath, _dirs, _files in sorted(os.walk(cg), key=lambda t: -len(t[0])):
+        while True:
+            try:
+                os.rmdir(dirpath)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class CgroupTree:
+    """fleettop's own part of the cgroup v2 hierarchy for one running supervisor."""
+
+    mount: Path
+    base: Path
+    fleet_dir: Path
+    controllers: frozenset[str]
+
+    @classmethod
+    def create(cls, fleet_id: str) -> tuple[CgroupTree | None, str]:
+        """(tree, "") when cgroup v2 is writable here, else (None, why not)."""
+        mount = find_v2_mount()
+        if mount is None:
+            return None, "no cgroup v2 mount in /proc/self/mounts"
+        base = mount / BASE_NAME
+        try:
+            base.mkdir(exist_ok=True)
+            fleet_dir = base / f"{fleet_id}.{os.getpid()}"
+            fleet_dir.mkdir(exist_ok=True)
+        except OSError as exc:
+            return None, f"cgroup v2 at {mount} is not writable ({exc.strerror})"
+        available = set(_read(mount / "cgroup.controllers").split())
+        enabled: set[str] = set()
+        for ctl in ("memory", "pids", "cpu"):
+            if ctl not in available:
+                continue
+            try:
+                for parent in (mount, base, fleet_dir):
+                    if ctl not in _read(parent / "cgroup.subtree_control").split():
+                        _write(parent / "cgroup.subtree_control", f"+{ctl}")
+                enabled.add(ctl)
+            except OSError:
+                continue
+        with contextlib.suppress(OSError):
+            (fleet_dir / "cgroup.procs").stat()
+        return cls(mount, base, fleet_dir, frozenset(enabled)), ""
+
+    def agent_dir(self, name: str) -> Path:
+        cg = self.fleet_dir / name
+        cg.mkdir(exist_ok=True)
+        return cg
+
+    def set_memory_max(self, cg: Path, limit: int | None) -> str:
+        """"" on success, else why the limit could not be applied."""
+        if "memory" not in self.controllers:
+            return "memory controller not available in cgroup v2 here"
+        try:
+            _write(cg / "memory.max", str(limit) if limit else "max")
+        except OSError as exc:
+            return f"cannot write memory.max: {exc.strerror}"
+        return ""
+
+    def destroy(self) -> None:
+        remove(self.fleet_dir)
+
+
+def cleanup_stale() -> list[Path]:
+    """Remove cgroups left by fleettop supervisors that are dead (killed with SIGKILL).
+
+    A directory `<fleet-id>.<pid>` is stale only when that pid is gone — never by age.
+    Their processes are killed first: an agent must not outlive its supervisor.
+    """
+    mount = find_v2_mount()
+    if mount is None or not (mount / BASE_NAME).is_dir():
+        return []
+    removed = []
+    for entry in (mount / BASE_NAME).iterdir():
+        if not entry.is_dir():
+            continue
+        stem, _, pid_text = entry.name.rpartition(".")
+        if not stem or not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        kill_all(entry)
+        if remove(entry):
+            removed.append(entry)
+    return removed

@@ -1,0 +1,682 @@
+"""The supervisor: runs a fleet's agents as its own children, one cgroup each.
+
+Everything happens on one asyncio loop, in the main thread: agents are spawned from it (so
+PR_SET_PDEATHSIG is tied to the thread that lives as long as the supervisor), their exits
+arrive through pidfds and their output through non-blocking pipes — no thread per child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from croniter import croniter
+from fleettop.supervisor import cgroups, paths, proctree
+from fleettop.supervisor.agent import AgentRuntime, AgentState, backoff_delay
+from fleettop.supervisor.config import AgentSpec, Fleet
+from fleettop.supervisor.events import Event
+from fleettop.supervisor.logs import AgentLog
+from fleettop.supervisor.reaper import Reaper
+
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+EnvHook = Callable[[AgentSpec, dict[str, str]], None]
+StatusHook = Callable[[str], dict[str, Any]]
+
+
+class Supervisor:
+    def __init__(self, fleet: Fleet, *, state_dir: Path | None = None,
+                 use_cgroups: bool = True) -> None:
+        self.fleet = fleet
+        self.fleet_id = paths.fleet_id(fleet.path or "fleet.yaml")
+        self.state_dir = state_dir or paths.state_dir(fleet.path or "fleet.yaml",
+                                                      fleet.state_dir)
+        self.log_dir = self.state_dir / "logs"
+        self.agents: dict[str, AgentRuntime] = {
+            name: AgentRuntime(spec) for name, spec in fleet.agents.items()
+        }
+        self.env_hooks: list[EnvHook] = []
+        self.status_hooks: list[StatusHook] = []
+        self.snapshot_hooks: list[Callable[[], dict[str, Any]]] = []
+        self.start_hooks: list[Callable[[AgentRuntime], Any]] = []
+        """Awaited (if coroutine) before each start; may raise SkipStart to skip this run."""
+        self.exit_hooks: list[Callable[[AgentRuntime], Any]] = []
+        self.components: dict[str, dict[str, Any]] = {}
+        self.externals: dict[int, dict[str, Any]] = {}
+        self.events: deque[Event] = deque(maxlen=2000)
+        self._subscribers: list[asyncio.Queue[Event]] = []
+        self._use_cgroups = use_cgroups
+        self.cgroup_tree: cgroups.CgroupTree | None = None
+        self.cgroup_reason = "cgroups disabled"
+        self.reaper: Reaper | None = None
+        self.started_at = time.time()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._timers: dict[str, asyncio.TimerHandle | asyncio.Task[Any]] = {}
+        self._pidfds: dict[str, int] = {}
+        self._pipes: dict[str, list[int]] = {}
+        self._exit_waiters: dict[str, asyncio.Event] = {}
+        self._cpu_prev: dict[str, tuple[float, float]] = {}
+        self._stats_cache: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._closing = False
+        self.shutdown_requested = asyncio.Event()
+        self.shutdown_mode = "stop"
+
+    # ---- events -------------------------------------------------------------------------
+
+    def emit(self, kind: str, agent: str | None = None, reason: str = "", **data: Any) -> Event:
+        event = Event(kind, agent, reason, data)
+        self.events.append(event)
+        for q in list(self._subscribers):
+            try:
+                q.put_nowait(event)
+            except asyncio.QueueFull:
+                # A slow viewer loses its oldest events rather than growing our memory.
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    q.get_nowait()
+                with contextlib.suppress(asyncio.QueueFull):
+                    q.put_nowait(event)
+        return event
+
+    def subscribe(self, maxsize: int = 1000) -> asyncio.Queue[Event]:
+        q: asyncio.Queue[Event] = asyncio.Queue(maxsize=maxsize)
+        self._subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[Event]) -> None:
+        with contextlib.suppress(ValueError):
+            self._subscribers.remove(q)
+
+    def _set_state(self, rt: AgentRuntime, new: AgentState, reason: str, **data: Any) -> None:
+        old = rt.transition(new, reason)
+        self.emit("agent.state", rt.name, reason, **{"from": old.value, "to": new.value}, **data)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Set up cgroups and the reaper, then start every enabled agent in dependency order."""
+        removed = cgroups.cleanup_stale()
+        for path in removed:
+            self.emit("fleet.cleanup", None, "removed the cgroup of a dead fleettop",
+                      cgroup=str(path))
+        if self._use_cgroups:
+            self.cgroup_tree, self.cgroup_reason = cgroups.CgroupTree.create(self.fleet_id)
+        self.reaper = Reaper(self.cgroup_tree.fleet_dir if self.cgroup_tree else None)
+        source = "cgroup" if self.cgroup_tree else "process-group"
+        self.emit("fleet.started", None, self.cgroup_reason or f"agents in cgroups under "
+                  f"{self.cgroup_tree.fleet_dir if self.cgroup_tree else ''}",
+                  file=self.fleet.path, agents=len(self.agents), isolation=source)
+        for level in self._levels():
+            for name in level:
+                rt = self.agents[name]
+                if not rt.spec.enabled:
+                    rt.reason = "disabled in the fleet file"
+                    continue
+                if rt.spec.schedule:
+                    self._schedule_next(rt)
+                else:
+                    await self._start(rt, "fleet start")
+
+    def _levels(self) -> list[list[str]]:
+        """Agents grouped so each group's dependencies are all in earlier groups."""
+        level: dict[str, int] = {}
+        for name in self.fleet.start_order():
+            deps = self.fleet.agents[name].depends_on
+            level[name] = 1 + max((level[d] for d in deps), default=-1)
+        out: list[list[str]] = [[] for _ in range(max(level.values(), default=-1) + 1)]
+        for name, lvl in level.items():
+            out[lvl].append(name)
+        return out
+
+    async def _start(self, rt: AgentRuntime, why: str) -> None:
+        if rt.state in (AgentState.RUNNING, AgentState.STARTING, AgentState.FROZEN,
+                        AgentState.STOPPING):
+            return
+        rt.stop_requested = False
+        for hook in self.start_hooks:
+            try:
+                result = hook(rt)
+                if asyncio.iscoroutine(result):
+                    await result
+            except SkipStart as skip:
+                self.emit("agent.skipped", rt.name, str(skip))
+                if rt.spec.schedule:
+                    if rt.state is not AgentState.SCHEDULED:
+                        self._set_state(rt, AgentState.SCHEDULED, str(skip))
+                    self._schedule_next(rt)
+                return
+        self._set_state(rt, AgentState.STARTING, why)
+        try:
+            self._spawn(rt)
+        except Exception as exc:  # noqa: BLE001 - any spawn failure is reported, not raised
+            rt.pid = None
+            self._set_state(rt, AgentState.FAILED, f"cannot start: {exc}")
+            return
+        self._set_state(rt, AgentState.RUNNING, why, pid=rt.pid, run=rt.run_id)
+
+    def _resolve_user(self, spec: AgentSpec) -> tuple[pwd.struct_passwd | None, str]:
+        """Which user an agent runs as, and a warning when that is root by default."""
+        if os.geteuid() != 0:
+            if spec.user and spec.user != pwd.getpwuid(os.geteuid()).pw_name:
+                raise PermissionError(f"user {spec.user!r} needs fleettop to run as root")
+            return None, ""
+        name = spec.user or os.environ.get("SUDO_USER")
+        if not name and self.fleet.path:
+            with contextlib.suppress(OSError, KeyError):
+                owner = pwd.getpwuid(Path(self.fleet.path).stat().st_uid)
+                if owner.pw_uid != 0:
+                    name = owner.pw_name
+        if not name:
+            return None, "runs as root: no `user:`, no sudo invoker, fleet file owned by root"
+        entry = pwd.getpwnam(name)
+        return (None, "") if entry.pw_uid == 0 else (entry, "")
+
+    def _env(self, rt: AgentRuntime, user: pwd.struct_passwd | None) -> dict[str, str]:
+        env = dict(os.environ)
+        if user is not None:
+            env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+        env.update(rt.spec.env)
+        env["FLEETTOP_AGENT"] = rt.name
+        env["FLEETTOP_FLEET"] = self.fleet_id
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        for hook in self.env_hooks:
+            hook(rt.spec, env)
+        return env
+
+    def _argv(self, spec: AgentSpec) -> list[str]:
+        argv = spec.argv()
+        # `fleettop` in a cmd means this fleettop, even when its venv isn't on PATH.
+        if argv and argv[0] == "fleettop":
+            own = Path(sys.executable).parent / "fleettop"
+            if own.exists():
+                argv[0] = str(own)
+        return argv
+
+    def _spawn(self, rt: AgentRuntime) -> None:
+        spec = rt.spec
+        user, warning = self._resolve_user(spec)
+        if warning and rt.run_id == 0:
+            self.emit("agent.warning", rt.name, warning)
+        if rt.log is None:
+            rt.log = AgentLog(self.log_dir / f"{rt.name}.log", spec.log.max_bytes,
+                              spec.log.backups, spec.log.tail_lines)
+        cg_procs: str | None = None
+        if self.cgroup_tree is not None:
+            rt.cgroup = self.cgroup_tree.agent_dir(rt.name)
+            if cgroups.read_events(rt.cgroup).get("frozen"):
+                cgroups.thaw(rt.cgroup)
+            if spec.limits.memory is not None or rt.run_id == 0:
+                why = self.cgroup_tree.set_memory_max(rt.cgroup, spec.limits.memory)
+                if why and spec.limits.memory is not None and rt.run_id == 0:
+                    self.emit("agent.warning", rt.name, f"limits.memory not enforced: {why}")
+            cg_procs = str(rt.cgroup / "cgroup.procs")
+            if user is not None:
+                os.chown(rt.cgroup, 0, 0)
+        elif spec.limits.memory is not None and rt.run_id == 0:
+            self.emit("agent.warning", rt.name,
+                      f"limits.memory not enforced: {self.cgroup_reason}")
+        env = self._env(rt, user)
+        cwd = spec.cwd or (str(Path(self.fleet.path).resolve().parent) if self.fleet.path
+                           else None)
+        uid = user.pw_uid if user else None
+        gid = user.pw_gid if user else None
+        groups = os.getgrouplist(user.pw_name, user.pw_gid) if user else None
+        parent = os.getpid()
+
+        def in_child() -> None:
+            # Runs between fork and exec. Order matters: join the cgroup while still root,
+            # then drop privileges, then PDEATHSIG (a credential change clears it).
+            if cg_procs:
+                fd = os.open(cg_procs, os.O_WRONLY)
+                os.write(fd, b"0")
+                os.close(fd)
+            if uid is not None and gid is not None:
+                os.setgroups(groups or [])
+                os.setgid(gid)
+                os.setuid(uid)
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            popen = subprocess.Popen(
+                self._argv(spec), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                stdout=out_w, stderr=err_w, start_new_session=True, preexec_fn=in_child,
+                close_fds=True,
+            )
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        rt.popen, rt.pid = popen, popen.pid
+        rt.run_id += 1
+        rt.exit_code = None
+        rt.started_at = time.time()
+        rt.frozen_via = None
+        rt.trip = None
+        if self.reaper:
+            self.reaper.track(popen.pid)
+        rt.log.note(f"started pid {popen.pid}: {' '.join(spec.argv())}")
+        loop = asyncio.get_running_loop()
+        for fd, stream in ((out_r, "out"), (err_r, "err")):
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, self._on_output, rt, fd, stream)
+        self._pipes[rt.name] = [out_r, err_r]
+        pidfd = os.pidfd_open(popen.pid)
+        self._pidfds[rt.name] = pidfd
+        self._exit_waiters[rt.name] = asyncio.Event()
+        loop.add_reader(pidfd, self._on_exit, rt, popen.pid)
+
+    def _on_output(self, rt: AgentRuntime, fd: int, stream: str) -> None:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+            with contextlib.suppress(KeyError, ValueError):
+                self._pipes[rt.name].remove(fd)
+            return
+        if rt.log is not None:
+            rt.log.write(data, stream)
+
+    def _drain_pipes(self, rt: AgentRuntime) -> None:
+        for fd in list(self._pipes.get(rt.name, [])):
+            # Read what's buffered, but a grandchild may still hold the pipe open: don't wait.
+            with contextlib.suppress(OSError):
+                while True:
+                    data = os.read(fd, 65536)
+                    if not data:
+                        break
+                    if rt.log is not None:
+                        rt.log.write(data, "out")
+
+    def _on_exit(self, rt: AgentRuntime, pid: int) -> None:
+        loop = asyncio.get_running_loop()
+        pidfd = self._pidfds.pop(rt.name, None)
+        if pidfd is not None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        try:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            code = -1
+        if rt.popen is not None:
+            rt.popen.returncode = code
+        self._drain_pipes(rt)
+        if self.reaper:
+            self.reaper.untrack(pid)
+        rt.exit_code = code
+        rt.pid = None
+        ran_for = time.time() - rt.started_at
+        desc = f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
+        if rt.log is not None:
+            rt.log.note(f"pid {pid} ended: {desc} after {ran_for:.1f}s")
+        waiter = self._exit_waiters.pop(rt.name, None)
+        for hook in self.exit_hooks:
+            with contextlib.suppress(Exception):
+                hook(rt)
+        self._after_exit(rt, code, ran_for, desc)
+        if waiter:
+            waiter.set()
+
+    def _after_exit(self, rt: AgentRuntime, code: int, ran_for: float, desc: str) -> None:
+        # The tree's other processes die with the run: an agent never leaves orphans.
+        self._kill_leftovers(rt)
+        if rt.stop_requested or rt.state is AgentState.STOPPING:
+            self._set_state(rt, AgentState.STOPPED, f"stopped ({desc})", exit_code=code)
+            return
+        if rt.state is AgentState.FROZEN:
+            # A frozen agent is never restarted by the policy: someone killed it on purpose.
+            self._set_state(rt, AgentState.EXITED, f"{desc} while frozen", exit_code=code)
+            return
+        if rt.spec.schedule:
+            self._set_state(rt, AgentState.SCHEDULED, f"last run: {desc}", exit_code=code)
+            self._schedule_next(rt)
+            return
+        failed = code != 0
+        policy = rt.spec.restart
+        if ran_for >= rt.spec.backoff.reset_after:
+            rt.attempt = 0
+            rt.failures.clear()
+        if policy == "no" or (policy == "on-failure" and not failed):
+            self._set_state(rt, AgentState.EXITED, desc, exit_code=code)
+            return
+        now = time.time()
+        rt.failures.append(now)
+        if rt.start_limit_hit(now):
+            limit = rt.spec.start_limit
+            self._set_state(rt, AgentState.FAILED,
+                            f"start limit hit: {limit.burst} exits in {limit.interval:g}s "
+                            f"(last: {desc})", exit_code=code)
+            return
+        delay = backoff_delay(rt.spec, rt.attempt)
+        rt.attempt += 1
+        self._set_state(rt, AgentState.BACKOFF, f"{desc}; restarting in {delay:.1f}s",
+                        exit_code=code, delay=delay)
+        rt.next_run = time.time() + delay
+        self._timers[rt.name] = asyncio.get_running_loop().call_later(
+            delay, self._restart_from_backoff, rt)
+
+    def _restart_from_backoff(self, rt: AgentRuntime) -> None:
+        self._timers.pop(rt.name, None)
+        if rt.state is AgentState.BACKOFF:
+            rt.restarts += 1
+            rt.next_run = None
+            self._spawn_task(self._start(rt, f"restart #{rt.restarts} ({rt.spec.restart})"))
+
+    def _kill_leftovers(self, rt: AgentRuntime) -> None:
+        if rt.cgroup is not None and rt.cgroup.exists():
+            if cgroups.procs(rt.cgroup):
+                if cgroups.is_frozen(rt.cgroup):
+                    cgroups.thaw(rt.cgroup)
+                cgroups.kill_all(rt.cgroup)
+        elif rt.popen is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rt.popen.pid, signal.SIGKILL)
+
+    def _spawn_task(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- cron -----------------------------------------------------------------------------
+
+    def _schedule_next(self, rt: AgentRuntime) -> None:
+        assert rt.spec.schedule
+        now = datetime.now().astimezone()
+        nxt = croniter(rt.spec.schedule, now).get_next(float)
+        rt.next_run = nxt
+        if rt.state is not AgentState.SCHEDULED and rt.state is not AgentState.RUNNING:
+            self._set_state(rt, AgentState.SCHEDULED, "next run at "
+                            + time.strftime("%H:%M:%S", time.localtime(nxt)), next_run=nxt)
+        old = self._timers.pop(rt.name, None)
+        if old is not None:
+            old.cancel()
+        self._timers[rt.name] = asyncio.get_running_loop().call_later(
+            max(0.0, nxt - time.time()), self._cron_due, rt)
+
+    def _cron_due(self, rt: AgentRuntime) -> None:
+        self._timers.pop(rt.name, None)
+        if rt.state in (AgentState.RUNNING, AgentState.FROZEN, AgentState.STARTING,
+                        AgentState.STOPPING):
+            # Never stack runs: the one still going keeps the slot; this one is skipped.
+            self.emit("agent.skipped", rt.name, f"previous run still {rt.state.value} "
+                      f"(pid {rt.pid}) when the next was due", due=time.time())
+            self._schedule_next(rt)
+            return
+        if rt.state is AgentState.STOPPED and rt.stop_requested:
+            return
+        self._spawn_task(self._start(rt, "cron schedule"))
+
+    # ---- freeze / resume ----------------------------------------------------------------
+
+    async def freeze_agent(self, name: str, reason: str, source: str = "user",
+                           evidence: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The one freeze path, whoever asks (user, breaker, leak, spin, governor)."""
+        rt = self._agent(name)
+        if rt.state is AgentState.FROZEN:
+            return {"ok": True, "already": True, "state": rt.state.value}
+        if rt.state is not AgentState.RUNNING:
+            return {"ok": False, "error": f"{name} is {rt.state.value}, not running"}
+        t0 = time.perf_counter()
+        if rt.cgroup is not None:
+            frozen = cgroups.freeze(rt.cgroup, timeout=0.002)
+            if not frozen:
+                frozen = await self._await_frozen(rt.cgroup, 1)
+            via = "cgroup"
+        else:
+            assert rt.pid is not None
+            proctree.signal_tree(rt.pid, signal.SIGSTOP)
+            frozen, via = True, "signal"
+        latency_ms = (time.perf_counter() - t0) * 1000
+        rt.frozen_via = via
+        if evidence is not None or source != "user":
+            rt.trip = {"kind": source, "reason": reason, "evidence": evidence or {}}
+        self._set_state(rt, AgentState.FROZEN, reason, source=source, via=via)
+        self.emit("agent.frozen", name, reason, source=source, via=via, pids=rt.pids(),
+                  latency_ms=round(latency_ms, 3), confirmed=frozen,
+                  evidence=evidence or {})
+        return {"ok": True, "state": "frozen", "via": via, "confirmed": frozen,
+                "latency_ms": latency_ms}
+
+    async def _await_frozen(self, cg: Path, want: int) -> bool:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            if cgroups.read_events(cg).get("frozen") == want:
+                return True
+            await asyncio.sleep(0.002)
+        return False
+
+    async def resume_agent(self, name: str, reason: str = "",
+                           source: str = "user") -> dict[str, Any]:
+        rt = self._agent(name)
+        if rt.state is not AgentState.FROZEN:
+            return {"ok": False, "error": f"{name} is {rt.state.value}, not frozen"}
+        if rt.frozen_via == "cgroup" and rt.cgroup is not None:
+            if not cgroups.thaw(rt.cgroup, timeout=0.002):
+                await self._await_frozen(rt.cgroup, 0)
+        elif rt.pid is not None:
+            proctree.signal_tree(rt.pid, signal.SIGCONT)
+        rt.frozen_via = None
+        self._set_state(rt, AgentState.RUNNING, reason or f"resumed by {source}",
+                        source=source)
+        self.emit("agent.resumed", name, reason or f"resumed by {source}", source=source)
+        return {"ok": True, "state": "running"}
+
+    def freeze_pid(self, pid: int, reason: str = "by user") -> dict[str, Any]:
+        """Freeze a process fleettop did not start (a notebook, a backend server): by signal."""
+        if not os.path.exists(f"/proc/{pid}"):
+            return {"ok": False, "error": f"no process {pid}"}
+        if pid in (os.getpid(), 1):
+            return {"ok": False, "error": f"refusing to freeze pid {pid}"}
+        n = proctree.signal_tree(pid, signal.SIGSTOP)
+        comm = _comm(pid)
+        self.externals[pid] = {"pid": pid, "name": comm, "state": "frozen", "since": time.time()}
+        self.emit("pid.frozen", None, reason, pid=pid, comm=comm, processes=n)
+        return {"ok": True, "state": "frozen", "pid": pid, "processes": n}
+
+    def resume_pid(self, pid: int, reason: str = "by user") -> dict[str, Any]:
+        if not os.path.exists(f"/proc/{pid}"):
+            self.externals.pop(pid, None)
+            return {"ok": False, "error": f"no process {pid}"}
+        n = proctree.signal_tree(pid, signal.SIGCONT)
+        self.externals.setdefault(pid, {"pid": pid, "name": _comm(pid)})
+        self.externals[pid].update(state="running", since=time.time())
+        self.emit("pid.resumed", None, reason, pid=pid, processes=n)
+        return {"ok": True, "state": "running", "pid": pid, "processes": n}
+
+    # ---- stop ---------------------------------------------------------------------------
+
+    async def stop_agent(self, name: str, sig: str | None = None,
+                         reason: str = "stopped by user") -> dict[str, Any]:
+        rt = self._agent(name)
+        timer = self._timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
+        rt.stop_requested = True
+        rt.next_run = None
+        if rt.pid is None:
+            if rt.state not in (AgentState.STOPPED,):
+                self._set_state(rt, AgentState.STOPPED, reason)
+            return {"ok": True, "state": rt.state.value}
+        if rt.state is not AgentState.STOPPING:
+            self._set_state(rt, AgentState.STOPPING, reason)
+        waiter = self._exit_waiters.get(name)
+        signum = signal.Signals[f"SIG{sig or rt.spec.stop_signal}"]
+        self._signal_tree(rt, signum)
+        if rt.frozen_via:
+            # A frozen task keeps its signal pending until thawed.
+            if rt.cgroup is not None and rt.frozen_via == "cgroup":
+                cgroups.thaw(rt.cgroup)
+            elif rt.pid is not None:
+                proctree.signal_tree(rt.pid, signal.SIGCONT)
+            rt.frozen_via = None
+        if waiter is not None:
+            try:
+                await asyncio.wait_for(waiter.wait(), rt.spec.stop_timeout)
+            except TimeoutError:
+                self.emit("agent.kill", name, f"still alive {rt.spec.stop_timeout:g}s after "
+                          f"SIG{rt.spec.stop_signal}: SIGKILL")
+                self._signal_tree(rt, signal.SIGKILL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.wait(), 5.0)
+        return {"ok": True, "state": rt.state.value}
+
+    def _signal_tree(self, rt: AgentRuntime, sig: int) -> None:
+        if rt.cgroup is not None and rt.cgroup.exists():
+            cgroups.kill_all(rt.cgroup, sig)
+        if rt.popen is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rt.popen.pid, sig)
+
+    async def restart_agent(self, name: str) -> dict[str, Any]:
+        rt = self._agent(name)
+        if rt.pid is not None:
+            await self.stop_agent(name, reason="restart requested")
+        rt.attempt = 0
+        rt.restarts += 1
+        await self._start(rt, "restarted by user")
+        return {"ok": rt.state is AgentState.RUNNING, "state": rt.state.value,
+                **({} if rt.state is AgentState.RUNNING else {"error": rt.reason})}
+
+    async def start_agent(self, name: str) -> dict[str, Any]:
+        rt = self._agent(name)
+        if rt.pid is not None:
+            return {"ok": True, "already": True, "state": rt.state.value}
+        timer = self._timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
+        rt.attempt = 0
+        rt.failures.clear()
+        await self._start(rt, "started by user")
+        return {"ok": rt.state is AgentState.RUNNING, "state": rt.state.value,
+                **({} if rt.state is AgentState.RUNNING else {"error": rt.reason})}
+
+    async def shutdown(self, frozen: str = "stop") -> None:
+        """Stop every agent in reverse dependency order, then remove cgroups and the reaper."""
+        if self._closing:
+            return
+        self._closing = True
+        for timer in list(self._timers.values()):
+            timer.cancel()
+        self._timers.clear()
+        if frozen == "resume":
+            for rt in self.agents.values():
+                if rt.state is AgentState.FROZEN:
+                    await self.resume_agent(rt.name, "resumed for shutdown")
+        for level in reversed(self._levels()):
+            await asyncio.gather(*(self.stop_agent(n, reason="fleet shutdown")
+                                   for n in level if self.agents[n].pid is not None))
+        for rt in self.agents.values():
+            if rt.state is not AgentState.STOPPED:
+                with contextlib.suppress(Exception):
+                    self._set_state(rt, AgentState.STOPPED, "fleet shutdown")
+            self._kill_leftovers(rt)
+            if rt.log is not None:
+                rt.log.close()
+        for fds in self._pipes.values():
+            for fd in fds:
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(fd)
+                    os.close(fd)
+        self._pipes.clear()
+        if self.cgroup_tree is not None:
+            self.cgroup_tree.destroy()
+        if self.reaper is not None:
+            self.reaper.close()
+        self.emit("fleet.stopped", None, "all agents stopped")
+
+    # ---- status ----------------------------------------------------------------------------
+
+    def _agent(self, name: str) -> AgentRuntime:
+        try:
+            return self.agents[name]
+        except KeyError:
+            raise KeyError(f"no agent named {name!r}") from None
+
+    def _basic_stats(self, rt: AgentRuntime) -> dict[str, Any]:
+        """CPU% and RSS of the whole tree from procfs, cached for a second."""
+        now = time.monotonic()
+        cached = self._stats_cache.get(rt.name)
+        if cached and now - cached[0] < 1.0:
+            return cached[1]
+        pids = rt.pids() if rt.pid is not None else []
+        ticks = proctree.cpu_ticks(pids) / os.sysconf("SC_CLK_TCK")
+        prev = self._cpu_prev.get(rt.name)
+        cpu = 0.0
+        if prev and now > prev[0] and ticks >= prev[1]:
+            cpu = 100.0 * (ticks - prev[1]) / (now - prev[0])
+        self._cpu_prev[rt.name] = (now, ticks)
+        stats = {"pids": pids, "cpu_percent": round(cpu, 1),
+                 "rss_bytes": proctree.rss_bytes(pids), "source": "procfs"}
+        self._stats_cache[rt.name] = (now, stats)
+        return stats
+
+    def agent_status(self, rt: AgentRuntime) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "name": rt.name, "state": rt.state.value, "reason": rt.reason, "pid": rt.pid,
+            "since": rt.since, "restarts": rt.restarts, "exit_code": rt.exit_code,
+            "next_run": rt.next_run, "priority": rt.spec.priority,
+            "schedule": rt.spec.schedule, "cgroup": str(rt.cgroup) if rt.cgroup else None,
+            "frozen_via": rt.frozen_via, "trip": rt.trip,
+        }
+        row.update(self._basic_stats(rt))
+        for hook in self.status_hooks:
+            with contextlib.suppress(Exception):
+                row.update(hook(rt.name))
+        return row
+
+    def snapshot(self) -> dict[str, Any]:
+        snap: dict[str, Any] = {
+            "version": 1,
+            "fleet": {"file": self.fleet.path, "name": self.fleet.name or self.fleet_id,
+                      "started_at": self.started_at, "pid": os.getpid(),
+                      "cgroup_root": str(self.cgroup_tree.fleet_dir) if self.cgroup_tree
+                      else None, "isolation_reason": self.cgroup_reason,
+                      "state_dir": str(self.state_dir)},
+            "agents": [self.agent_status(rt) for rt in self.agents.values()],
+            "external": [dict(v) for v in self.externals.values()],
+            "events": [e.to_json() for e in list(self.events)[-200:]],
+            "components": list(self.components.values()),
+        }
+        for hook in self.snapshot_hooks:
+            with contextlib.suppress(Exception):
+                snap.update(hook())
+        return snap
+
+    async def command(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Every control request, from the socket, the UI or the web view, comes through here."""
+        from fleettop.supervisor.commands import dispatch
+
+        return await dispatch(self, req)
+
+
+class SkipStart(Exception):
+    """Raised by a start hook to skip this run (e.g. the GPU lock timed out)."""
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"
