@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes as ct
 import json
 import os
 import select
@@ -149,7 +148,16 @@ def generate_source(defs: dict[str, int]) -> str:
     return prelude + SRC.read_text()
 
 
-def check_environment() -> None:
+def bcc_available() -> bool:
+    """Whether bcc could be imported, without importing it (that costs ~60 MiB)."""
+    import importlib.util
+
+    if importlib.util.find_spec("bcc") is not None:
+        return True
+    return os.path.isfile(os.path.join(DIST_PACKAGES, "bcc", "__init__.py"))
+
+
+def check_environment(need_bcc: bool = True) -> None:
     """Raise ProbeUnavailable with the first reason eBPF can't work here."""
     if os.geteuid() != 0 and not _has_bpf_caps():
         raise ProbeUnavailable("not root and no CAP_BPF+CAP_PERFMON")
@@ -167,7 +175,8 @@ def check_environment() -> None:
             f"no kernel headers at {build} (install linux-headers and link them; "
             "see .ci/install-bpf.sh)"
         )
-    import_bcc()
+    if need_bcc:
+        import_bcc()
 
 
 def lockdown_mode() -> str | None:
