@@ -1,0 +1,296 @@
+"""The main screen's widgets: the agents table and the side panels.
+
+Each widget takes the snapshot (or its slice) and touches the screen only when what it shows
+changed: the table updates single cells, panels re-render only on a different text.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from rich.text import Text
+from textual.widgets import DataTable, Static
+
+from . import format as fmt
+from .columns import Agent, Column, columns_for, ordered, row_cells
+
+STATE_STYLES = {
+    "running": "green", "frozen": "bold cyan", "tripped": "bold red", "waiting": "yellow",
+    "failed": "bold red", "backoff": "magenta", "external": "blue",
+}
+"""State colours; the text already says the state, colour only helps."""
+
+HISTORY = 120
+"""Samples kept per series for sparklines (two minutes at 1 Hz)."""
+
+
+def not_available(snapshot: dict[str, Any], component: str, default: str) -> str:
+    """Why a capability's data is absent: its `<name>_reason` or its component's reason."""
+    reason = snapshot.get(f"{component}_reason")
+    for comp in snapshot.get("components") or []:
+        if isinstance(comp, dict) and comp.get("name") == component and comp.get("reason"):
+            reason = reason or comp["reason"]
+    return f"not available: {reason or default}"
+
+
+class AgentsTable(DataTable[str]):
+    """One row per agent (and per watched external PID); diffs cells between polls."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)
+        self._cols: list[Column] = []
+        self._compact: bool | None = None
+        self._cells: dict[str, list[str]] = {}
+        self._order: list[str] = []
+        self.cell_updates = 0
+        """Cells written since mount (the bench and the tests read it)."""
+
+    @property
+    def selected_name(self) -> str | None:
+        """Name (row key) under the cursor, or None when the table is empty."""
+        if not self._order or self.cursor_row < 0 or self.cursor_row >= len(self._order):
+            return None
+        return self._order[self.cursor_row]
+
+    def show(self, agents: list[Agent], *, compact: bool, sort_key: str, reverse: bool,
+             needle: str) -> None:
+        """Render agents; only cells whose text changed are written."""
+        from .columns import matches
+
+        if compact != self._compact:
+            self._compact = compact
+            self._cols = columns_for(compact)
+            self.clear(columns=True)
+            for c in self._cols:
+                self.add_column(c.label, width=c.width, key=c.key)
+            self._cells.clear()
+            self._order = []
+        rows = [a for a in ordered(agents, sort_key, reverse) if matches(a, needle)]
+        order = [str(a.get("name")) for a in rows]
+        cells = {str(a.get("name")): row_cells(a, self._cols) for a in rows}
+        states = {str(a.get("name")): fmt.display_state(a) for a in rows}
+        if order != self._order:
+            keep = self.selected_name
+            self.clear()
+            for name in order:
+                self.add_row(*self._styled(cells[name], states[name]), key=name)
+                self.cell_updates += len(self._cols)
+            self._order = order
+            self._cells = cells
+            if keep in order:
+                self.move_cursor(row=order.index(keep), animate=False)
+            return
+        for name in order:
+            old, new = self._cells.get(name), cells[name]
+            for i, (a, b) in enumerate(zip(old or [], new, strict=False)):
+                if a != b:
+                    value = self._styled(new, states[name])[i]
+                    self.update_cell(name, self._cols[i].key, value)
+                    self.cell_updates += 1
+        self._cells = cells
+
+    def _styled(self, cells: list[str], state: str) -> list[str | Text]:
+        style = STATE_STYLES.get(state, "")
+        out: list[str | Text] = list(cells)
+        out[1] = Text(cells[1], style=style)
+        return out
+
+
+class Panel(Static):
+    """A titled text panel that repaints only when its text changes."""
+
+    def __init__(self, title: str, **kwargs: Any) -> None:
+        super().__init__("", **kwargs)
+        self.border_title = title
+        self._last: Text | None = None
+        self._snap: dict[str, Any] | None = None
+        self._now = 0.0
+
+    def show(self, snapshot: dict[str, Any], now: float) -> None:
+        """Take in a new snapshot (history, if any) and repaint if the text changed."""
+        self.ingest(snapshot)
+        self._snap, self._now = snapshot, now
+        self.show_text(self.build(snapshot, now))
+
+    def ingest(self, snapshot: dict[str, Any]) -> None:
+        """Record history from a snapshot; called once per snapshot."""
+
+    def build(self, snapshot: dict[str, Any], now: float) -> Text:
+        raise NotImplementedError
+
+    def on_resize(self) -> None:
+        if self._snap is not None:
+            self.show_text(self.build(self._snap, self._now))
+
+    def show_text(self, text: Text) -> None:
+        if text != self._last:
+            self._last = text
+            self.update(text)
+
+    @property
+    def text(self) -> str:
+        """The plain text shown (tests read it)."""
+        return self._last.plain if self._last is not None else ""
+
+
+class LockPanel(Panel):
+    """GPU lock: holder (agent, model, held for) and waiters in FIFO order with their waits."""
+
+    def build(self, snapshot: dict[str, Any], now: float) -> Text:
+        lock = snapshot.get("lock")
+        if not isinstance(lock, dict):
+            return Text(not_available(snapshot, "lock", "no GPU lock in this fleet"), style="dim")
+        out = Text()
+        holder = lock.get("holder")
+        if holder:
+            h = holder if isinstance(holder, dict) else {"agent": holder}
+            held = h.get("held_s", now - h["since"] if h.get("since") else None)
+            out.append("held ", style="bold")
+            out.append(f"{h.get('agent', '?')} {h.get('model') or ''}".rstrip(), style="green")
+            out.append(f" for {fmt.duration(held)}\n")
+        else:
+            out.append("free\n", style="dim")
+        queue = lock.get("queue") or []
+        for i, w in enumerate(queue, 1):
+            w = w if isinstance(w, dict) else {"agent": w}
+            waited = w.get("waited_s", now - w["since"] if w.get("since") else None)
+            model = f" {w['model']}" if w.get("model") else ""
+            out.append(f"{i}. {w.get('agent', '?')}{model} waits {fmt.duration(waited)}\n")
+        if not queue:
+            out.append("no waiters", style="dim")
+        out.rstrip()
+        return out
+
+
+class VramPanel(Panel):
+    """Each GPU's used/total as a bar plus a history sparkline, and per-process usage."""
+
+    def __init__(self, title: str, **kwargs: Any) -> None:
+        super().__init__(title, **kwargs)
+        self._history: dict[int, deque[float]] = {}
+
+    def ingest(self, snapshot: dict[str, Any]) -> None:
+        for g in snapshot.get("gpus") or []:
+            hist = self._history.setdefault(int(g.get("index", 0)), deque(maxlen=HISTORY))
+            hist.append(float(g.get("used_bytes") or 0))
+
+    def build(self, snapshot: dict[str, Any], now: float) -> Text:
+        gpus = snapshot.get("gpus")
+        if not gpus:
+            reason = snapshot.get("gpu_reason")
+            msg = reason if reason else not_available(snapshot, "gpu", "no GPU data")
+            return Text(msg, style="dim")
+        width = max(8, (self.size.width or 40) - 4)
+        out = Text()
+        for g in gpus:
+            used, total = float(g.get("used_bytes") or 0), float(g.get("total_bytes") or 0)
+            hist = self._history.get(int(g.get("index", 0)), deque())
+            out.append(f"GPU{g.get('index', 0)} {g.get('name', '')}"[:width] + "\n", style="bold")
+            util = g.get("util_percent")
+            tail = f" {fmt.size(used)}/{fmt.size(total)}" + (f" {util:.0f}%" if util is not None
+                                                            else "")
+            bw = max(4, width - len(tail))
+            pct = used / total if total else 0
+            out.append(fmt.bar(used, total, bw), style="red" if pct > 0.9 else "green")
+            out.append(tail + "\n")
+            out.append(fmt.sparkline(hist, width, lo=0, hi=total or None) + "\n", style="cyan")
+            for p in g.get("processes") or []:
+                who = p.get("agent") or "?"
+                out.append(f"  {p.get('pid')} {who} {fmt.size(p.get('used_bytes'))}\n")
+        out.rstrip()
+        return out
+
+
+class LeakPanel(Panel):
+    """Per agent: memory sparkline with the fitted line under it, slope, R², time to limit."""
+
+    def __init__(self, title: str, **kwargs: Any) -> None:
+        super().__init__(title, **kwargs)
+        self._rss: dict[str, deque[float]] = {}
+
+    def ingest(self, snapshot: dict[str, Any]) -> None:
+        for a in snapshot.get("agents") or []:
+            if a.get("rss_bytes") is not None:
+                self._rss.setdefault(str(a.get("name")), deque(maxlen=HISTORY)).append(
+                    float(a["rss_bytes"]))
+
+    def build(self, snapshot: dict[str, Any], now: float) -> Text:
+        agents = snapshot.get("agents") or []
+        leaks = snapshot.get("leaks") if isinstance(snapshot.get("leaks"), dict) else {}
+        fitted = [a for a in agents if a.get("leak_slope_bytes_per_s") is not None
+                  or str(a.get("name")) in leaks]
+        if not fitted:
+            return Text(not_available(snapshot, "leak", "no leak fits yet"), style="dim")
+        fitted.sort(key=lambda a: -float(a.get("leak_slope_bytes_per_s") or 0))
+        width = max(8, (self.size.width or 40) - 4)
+        spark_w = max(6, min(24, width - 28))
+        out = Text()
+        for a in fitted:
+            name = str(a.get("name"))
+            fit = leaks.get(name) or {}
+            samples = [float(x) for x in fit.get("samples") or self._rss.get(name, [])]
+            slope = fit.get("slope_bytes_per_s", a.get("leak_slope_bytes_per_s"))
+            r2 = fit.get("r2", a.get("leak_r2"))
+            ttl = fit.get("time_to_limit_s", a.get("leak_time_to_limit_s"))
+            line = fmt.fit_line(samples[-spark_w:])
+            lo = min(samples[-spark_w:] + line) if samples else None
+            hi = max(samples[-spark_w:] + line) if samples else None
+            out.append(f"{name[:10]:<10} ")
+            out.append(fmt.sparkline(samples, spark_w, lo, hi).ljust(spark_w), style="yellow")
+            warn = ttl is not None and float(ttl) < 600
+            out.append(f" {fmt.slope_mib_min(slope)}MiB/m R²{fmt.number(r2, '{:.2f}')}",)
+            out.append(f" lim {fmt.duration(ttl)}\n", style="bold red" if warn else "")
+            out.append(" " * 11)
+            out.append(fmt.sparkline(line, spark_w, lo, hi) + " fit\n", style="dim")
+        out.rstrip()
+        return out
+
+
+class EventsPanel(Panel):
+    """Trips, freezes, resumes, restarts, evictions, governor levels: newest first."""
+
+    KIND_STYLES = {"breaker.trip": "bold red", "agent.frozen": "cyan", "agent.resumed": "green",
+                   "gpu.evicted": "magenta", "governor.level": "yellow"}
+
+    def build(self, snapshot: dict[str, Any], now: float, limit: int = 60) -> Text:
+        events = snapshot.get("events")
+        if events is None:
+            return Text(not_available(snapshot, "events", "no event feed"), style="dim")
+        out = Text(no_wrap=True, overflow="ellipsis")
+        for e in fmt.newest_first(events, limit):
+            out.append(fmt.event_line(e) + "\n", style=self.KIND_STYLES.get(e.get("kind"), ""))
+        if not events:
+            out.append("no events yet", style="dim")
+        out.rstrip()
+        return out
+
+
+class StatusLine(Static):
+    """One line: fleet name, counts by state, governor level, last error."""
+
+    _last: Text | None = None
+
+    def show(self, snapshot: dict[str, Any], *, readonly: bool, error: str | None,
+             note: str = "") -> None:
+        agents = snapshot.get("agents") or []
+        counts: dict[str, int] = {}
+        for a in agents:
+            s = fmt.display_state(a)
+            counts[s] = counts.get(s, 0) + 1
+        fleet = (snapshot.get("fleet") or {}).get("name") or "fleet"
+        parts = [f"{fleet}: {len(agents)} agents"]
+        parts += [f"{n} {fmt.STATE_LABELS.get(s, ('', s))[1]}" for s, n in sorted(counts.items())]
+        gov = snapshot.get("governor")
+        if isinstance(gov, dict) and gov.get("level") is not None:
+            parts.append(f"governor {gov['level']}")
+        if readonly:
+            parts.append("READ-ONLY")
+        if note:
+            parts.append(note)
+        text = Text(" · ".join(parts))
+        if error:
+            text.append(f"  ✗ {error}", style="bold red")
+        if text != self._last:
+            self._last = text
+            self.update(text)
