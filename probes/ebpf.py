@@ -249,13 +249,13 @@ class KernelProbe:
         except Exception as exc:  # bcc raises bare Exception on compile/load errors
             raise ProbeUnavailable(f"BPF load failed: {exc}") from exc
         self.load_s = time.monotonic() - t0
-        self.tids = self.bpf["tids"]
-        self.procs = self.bpf["procs"]
-        self.stats = self.bpf["stats"]
+        self.tids = self.bpf[b"tids"]
+        self.procs = self.bpf[b"procs"]
+        self.stats = self.bpf[b"stats"]
         self.slots: dict[str, int] = {}
         self.baseline: dict[str, dict[str, int]] = {}
         self.pending_events: list[dict[str, Any]] = []
-        self.bpf["events"].open_ring_buffer(self._on_event)
+        self.bpf[b"events"].open_ring_buffer(self._on_event)
 
     def watch(self, agent: str, pid: int) -> None:
         if agent not in self.slots:
@@ -331,7 +331,7 @@ class KernelProbe:
         return out
 
     def _on_event(self, _ctx: Any, data: Any, _size: int) -> None:
-        ev = self.bpf["events"].event(data)
+        ev = self.bpf[b"events"].event(data)
         names = {slot: name for name, slot in self.slots.items()}
         rec: dict[str, Any] = {
             "type": "event",
