@@ -79,6 +79,16 @@ def test_chat_goes_through_http_proxy(mock: str) -> None:
     assert stats(mock)["requests"] == {"demo-chat": 1}
 
 
+def test_openai_style_base_url_and_model_override(mock: str) -> None:
+    """A vLLM/OpenAI base ending in /v1 and FLEETTOP_DEMO_MODEL point the demo elsewhere."""
+    reset(mock)
+    out = run_agent(mock, "chat", "--turns", "1", "--interval", "0",
+                    FLEETTOP_DEMO_LLM=mock + "/v1", FLEETTOP_DEMO_MODEL="demo-json",
+                    FLEETTOP_DEMO_API_KEY="sk-test")
+    assert out.returncode == 0 and "demo-json:" in out.stdout, out.stdout
+    assert stats(mock)["requests"] == {"demo-json": 1}
+
+
 def test_retry_loop_hammers_the_failing_model(mock: str) -> None:
     reset(mock)
     out = run_agent(mock, "retry-loop", "--ok-turns", "2", "--turns", "6", "--delay", "0")

@@ -30,14 +30,30 @@ def base_url() -> str:
     return os.environ.get("FLEETTOP_DEMO_LLM", DEFAULT_LLM).rstrip("/")
 
 
+def default_model() -> str:
+    """The healthy model; FLEETTOP_DEMO_MODEL points the demo at a real backend's model."""
+    return os.environ.get("FLEETTOP_DEMO_MODEL", "demo-chat")
+
+
+def _url(path: str) -> str:
+    # Accept an OpenAI-style base that already ends in /v1 (vLLM, api.openai.com).
+    base = base_url()
+    if base.endswith("/v1") and path.startswith("/v1/"):
+        base = base[:-3]
+    return base + path
+
+
 def say(name: str, msg: str) -> None:
     print(f"[{name}] {msg}", flush=True)
 
 
 def _post(path: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
-    req = urllib.request.Request(
-        base_url() + path, data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"}, method="POST")
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get("FLEETTOP_DEMO_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(_url(path), data=json.dumps(body).encode(), headers=headers,
+                                 method="POST")
     return urllib.request.urlopen(req, timeout=timeout)
 
 
@@ -139,7 +155,7 @@ def run_retry_loop(args: argparse.Namespace) -> int:
     """Works a few turns, then retries a failing request forever with no backoff."""
     for turn in range(1, args.ok_turns + 1):
         try:
-            reply, final = ollama_chat("demo-chat", _prompt(turn))
+            reply, final = ollama_chat(default_model(), _prompt(turn))
             say("retry-loop", f"turn {turn}: {_short(reply, 100)} "
                               f"[{final.get('eval_count')} tokens]")
         except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -184,7 +200,7 @@ def run_leaky(args: argparse.Namespace) -> int:
             hoard.append(bytearray(b"\x5a") * grow)  # written, so the pages count in RSS
             held += grow
         try:
-            reply, _ = openai_stream("demo-chat", _prompt(turn))
+            reply, _ = openai_stream(default_model(), _prompt(turn))
             note = _short(reply, 60)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             note = f"request failed: {exc}"
@@ -277,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("chat", help="healthy OpenAI-SSE chat agent (optionally turns loopy)")
     s.add_argument("--interval", type=float, default=3.0)
-    s.add_argument("--model", default="demo-chat")
+    s.add_argument("--model", default=default_model())
     s.add_argument("--loop-after", type=int, default=0, help="switch to demo-loop after N turns")
     s.add_argument("--turns", type=int, default=0, help="stop after N turns (0 = forever)")
     s.set_defaults(run=run_chat)
@@ -297,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("batch", help="one-shot cron worker")
     s.add_argument("--calls", type=int, default=2)
-    s.add_argument("--model", default="demo-chat")
+    s.add_argument("--model", default=default_model())
     s.set_defaults(run=run_batch)
 
     s = sub.add_parser("sleeper", help="sleeps, optionally with a process tree")

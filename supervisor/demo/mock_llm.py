@@ -479,10 +479,13 @@ class MockLLM:
                 if is_delta:
                     await asyncio.sleep(delay)
             await resp.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
             # The client (or a breaker in the proxy) hung up mid-stream.
             self.state.streams["aborted"] += 1
             return resp
+        except asyncio.CancelledError:
+            self.state.streams["aborted"] += 1
+            raise
         self.state.streams["completed"] += 1
         return resp
 
