@@ -348,7 +348,7 @@ def _anthropic_stop(plan: Plan) -> str:
 
 
 def anthropic_frames(plan: Plan, body: dict[str, Any]) -> Iterator[Frame]:
-    message = {
+    message: dict[str, Any] = {
         "id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
         "model": plan.model, "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": plan.prompt_tokens, "output_tokens": 1},
