@@ -1,0 +1,526 @@
+"""Loop detectors: degenerate generation inside one response, retry loops across requests.
+
+Pure state machines, no I/O. The proxy addon feeds them from its chunk callback, `fleettop
+replay` feeds them recorded traffic; both get the same verdicts for the same text, whatever the
+chunking, because normalisation is incremental (a per-delta normalisation breaks exact matching).
+
+Generation (`LoopDetector.feed(delta) -> Trip | None`), three tiers, any one trips:
+  A. exact tail period: the tail is >= `a_copies` exact copies of a block of `a_min_period` to
+     `a_max_period` chars covering >= `a_min_cover` chars (runs of one separator character need
+     `a_sep_cover`); candidate periods are the earlier occurrences of the last 24 chars.
+  B. unit SimHash: sentences/lines (list markers dropped, merged to >= 40 chars) fingerprinted
+     over the set of word 1+2-grams; `b_consecutive` units in a row within `b_max_distance` bits
+     of the unit the same lag back.
+  C. window SimHash: 256-char windows every 64 chars over the set of char 5-grams; a window
+     within `c_max_distance` bits of a non-overlapping earlier one, `c_consecutive` times in a row.
+  B and C pause inside ``` fences: similar code lines sit 6-9 bits apart. A stays on everywhere.
+Retry (`RetryDetector.feed(body) -> Trip | None`): only the newest content of each request (last
+messages) with UUIDs, timestamps, hex ids and counters masked; a request within
+`retry_max_distance` bits of one of the recent ones, with the same remaining numbers (changing
+numbers are progress, e.g. polling), is a repeat; `retry_repeats` in a row trip.
+Defaults are tuned on tests/data (research D: 64-bit SimHash, legit structured text reaches 6-7).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "LoopParams", "Trip", "Normaliser", "LoopDetector", "RetryDetector", "hamming",
+    "simhash_chars", "simhash_features", "request_tail", "mask_volatile",
+]
+
+
+@dataclass(frozen=True)
+class LoopParams:
+    """Detector thresholds; `BreakerSection.loop_params()` builds one from the fleet file."""
+
+    a_check_every: int = 16
+    a_min_period: int = 16
+    a_max_period: int = 4096
+    a_copies: int = 3
+    a_long_period: int = 512
+    a_long_copies: int = 2
+    a_min_cover: int = 200
+    a_sep_cover: int = 1024
+    b_min_chars: int = 40
+    b_min_features: int = 6
+    b_max_distance: int = 6
+    b_fence_distance: int = 3
+    b_history: int = 64
+    b_consecutive: int = 3
+    c_window: int = 256
+    c_stride: int = 64
+    c_max_distance: int = 5
+    c_max_lag: int = 4096
+    c_consecutive: int = 3
+    retry_max_distance: int = 6
+    retry_history: int = 8
+    retry_repeats: int = 6
+    retry_tail_messages: int = 2
+    retry_prompt_chars: int = 1024
+
+
+@dataclass
+class Trip:
+    """One breaker trip: what kind, a one-line reason and the evidence behind it."""
+
+    kind: str  # token_loop | retry_loop | budget | rate
+    reason: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    at_char: int | None = None
+    at_request: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "reason": self.reason, "evidence": self.evidence}
+        if self.at_char is not None:
+            out["at_char"] = self.at_char
+        if self.at_request is not None:
+            out["at_request"] = self.at_request
+        return out
+
+
+# --- SimHash -------------------------------------------------------------------------------
+
+_M = np.uint64(1000003)
+_SM1 = np.uint64(0x9E3779B97F4A7C15)
+_SM2 = np.uint64(0xBF58476D1CE4E5B9)
+_SM3 = np.uint64(0x94D049BB133111EB)
+
+
+def hamming(a: int, b: int) -> int:
+    return (a ^ b).bit_count()
+
+
+def _fold(hashes: np.ndarray) -> int:
+    """Sign of the per-bit vote over a set of 64-bit feature hashes → 64-bit fingerprint."""
+    if hashes.size == 0:
+        return 0
+    bits = np.unpackbits(hashes.astype("<u8").view(np.uint8)).reshape(-1, 64)
+    ones = bits.sum(axis=0, dtype=np.int64)
+    packed = np.packbits(ones * 2 > hashes.size)
+    return int.from_bytes(packed.tobytes(), "big")
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = z + _SM1
+        z = (z ^ (z >> np.uint64(30))) * _SM2
+        z = (z ^ (z >> np.uint64(27))) * _SM3
+    return z ^ (z >> np.uint64(31))
+
+
+def simhash_chars(text: str, n: int = 5) -> int:
+    """64-bit SimHash over the set of char n-grams (stable across processes)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+    if codes.size < n:
+        if codes.size == 0:
+            return 0
+        n = int(codes.size)
+    with np.errstate(over="ignore"):
+        h = codes[: codes.size - n + 1].copy()
+        for j in range(1, n):
+            h = h * _M + codes[j : codes.size - n + 1 + j]
+    return _fold(np.unique(_mix(h)))
+
+
+def _feature_hash(feature: str) -> int:
+    # Two CRC32s (C speed, stable across processes, unlike hash()) then a 64-bit mix.
+    data = feature.encode()
+    return zlib.crc32(data) | (zlib.crc32(data, 0x9E3779B9) << 32)
+
+
+def simhash_features(features: set[str]) -> int:
+    """64-bit SimHash over a set of string features (sets, not counts: research D §1.3)."""
+    raw = np.fromiter((_feature_hash(f) for f in features), dtype=np.uint64, count=len(features))
+    return _fold(_mix(raw))
+
+
+# --- normalisation -------------------------------------------------------------------------
+
+_WS_RUN = re.compile(r"\s+|\S+")
+
+
+class Normaliser:
+    """Lowercase; a whitespace run becomes "\\n" if it holds a newline, else " ". Incremental:
+    a run split across deltas is held back until it ends, so the output never depends on where
+    the stream was cut."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._started = False
+
+    def feed(self, delta: str) -> str:
+        out: list[str] = []
+        for m in _WS_RUN.finditer(delta):
+            piece = m.group()
+            if piece[0].isspace():
+                self._pending = "\n" if ("\n" in piece or self._pending == "\n") else " "
+            else:
+                if self._pending and self._started:
+                    out.append(self._pending)
+                self._pending = ""
+                self._started = True
+                out.append(piece.lower())
+        return "".join(out)
+
+
+# --- generation loops ----------------------------------------------------------------------
+
+_UNIT_SPLIT = re.compile(r"(?<=[.!?]) |\n")
+_LIST_MARKER = re.compile(r"^(?:[-*+>#|]+|\d+[.):]|[a-z][.)])\s*")
+_WORD = re.compile(r"\w+")
+_KEY = 24
+
+
+def _unit_features(text: str) -> set[str]:
+    words = _WORD.findall(text)
+    feats = set(words)
+    feats.update(f"{a} {b}" for a, b in zip(words, words[1:], strict=False))
+    return feats
+
+
+class LoopDetector:
+    """Degenerate generation inside one response; feed it text deltas as they stream."""
+
+    def __init__(self, params: LoopParams | None = None) -> None:
+        self.p = params or LoopParams()
+        self.norm = Normaliser()
+        self.raw_chars = 0
+        self.buf = ""
+        self.base = 0  # absolute normalised offset of buf[0]
+        self.tripped: Trip | None = None
+        self._next_a = self.p.a_check_every
+        self._in_fence = False
+        self._seg = ""
+        self._unit = ""
+        self._units: deque[tuple[int, int, str]] = deque(maxlen=self.p.b_history)
+        self._unit_index = 0
+        self._streaks: dict[int, int] = {}
+        self._next_c = self.p.c_window
+        self._windows: deque[tuple[int, int]] = deque()
+        self._c_hits = 0
+
+    @property
+    def n(self) -> int:
+        """Normalised characters seen so far."""
+        return self.base + len(self.buf)
+
+    def tail_text(self, chars: int = 8192) -> str:
+        return self.buf[-chars:]
+
+    def feed(self, delta: str) -> Trip | None:
+        if self.tripped is not None or not delta:
+            return None
+        self.raw_chars += len(delta)
+        text = self.norm.feed(delta)
+        if not text:
+            return None
+        old = len(self.buf)
+        self.buf += text
+        fences = self.buf.count("```", max(0, old - 2))
+        if fences % 2:
+            self._in_fence = not self._in_fence
+            self._streaks.clear()
+            self._c_hits = 0
+        trip = self._tier_a() or self._tier_b(text) or self._tier_c()
+        if len(self.buf) > 4 * self.p.c_max_lag + 4 * self.p.a_max_period:
+            cut = len(self.buf) - 2 * self.p.c_max_lag - 3 * self.p.a_max_period
+            self.buf = self.buf[cut:]
+            self.base += cut
+        if trip is not None:
+            trip.at_char = self.raw_chars
+            self.tripped = trip
+        return trip
+
+    # Tier A: exact period of the tail.
+    def _tier_a(self) -> Trip | None:
+        p = self.p
+        if self.n < self._next_a:
+            return None
+        self._next_a = self.n + p.a_check_every
+        buf, length = self.buf, len(self.buf)
+        if length < p.a_min_cover:
+            return None
+        key = buf[-_KEY:]
+        lo = max(0, length - p.a_max_period - _KEY)
+        end = length - 1
+        tried = 0
+        while tried < 8:
+            pos = buf.rfind(key, lo, end)
+            if pos < 0:
+                return None
+            end = pos + _KEY - 1
+            period = length - _KEY - pos
+            if period < p.a_min_period:
+                continue
+            tried += 1
+            block = buf[length - period :]
+            copies = p.a_long_copies if period >= p.a_long_period else p.a_copies
+            cover = max(copies * period, p.a_min_cover)
+            chars = set(block) - {" ", "\n"}
+            if len(chars) <= 1 and not any(c.isalnum() for c in chars):
+                cover = max(cover, p.a_sep_cover)  # a rule of ==== or ---- is not a loop
+            if cover > length:
+                continue
+            if buf[length - cover + period :] != buf[length - cover : length - period]:
+                continue
+            start = length - cover
+            while start > 0 and buf[start - 1] == buf[start - 1 + period]:
+                start -= 1
+            return Trip(
+                "token_loop",
+                f"generation repeats a {period}-char block {(length - start) / period:.1f} times",
+                {
+                    "tier": "exact_period",
+                    "period": period,
+                    "repeating_span": block[:512],
+                    "loop_start": self.base + start,
+                    "loop_end": self.base + length,
+                    "copies": round((length - start) / period, 2),
+                },
+            )
+        return None
+
+    # Tier B: sentence/line units, same lag.
+    def _tier_b(self, text: str) -> Trip | None:
+        self._seg += text
+        if "\n" not in text and ". " not in self._seg[-len(text) - 1 :] and "! " not in \
+                self._seg[-len(text) - 1 :] and "? " not in self._seg[-len(text) - 1 :]:
+            return None
+        parts = _UNIT_SPLIT.split(self._seg)
+        self._seg = parts.pop()
+        if len(self._seg) > 2000:  # a run-on line without breaks: cut it, tier A/C cover it
+            parts.append(self._seg)
+            self._seg = ""
+        for part in parts:
+            seg = _LIST_MARKER.sub("", part.strip())
+            if not seg:
+                continue
+            self._unit = f"{self._unit} {seg}" if self._unit else seg
+            if len(self._unit) < self.p.b_min_chars:
+                continue
+            feats = _unit_features(self._unit)
+            if len(feats) < self.p.b_min_features:
+                continue
+            unit, self._unit = self._unit, ""
+            trip = self._add_unit(unit, simhash_features(feats))
+            if trip is not None:
+                return trip
+        return None
+
+    def _add_unit(self, unit: str, fp: int) -> Trip | None:
+        idx = self._unit_index
+        self._unit_index += 1
+        limit = self.p.b_fence_distance if self._in_fence else self.p.b_max_distance
+        hits: dict[int, tuple[int, int, str]] = {}
+        for pidx, pfp, ptext in self._units:
+            d = hamming(fp, pfp)
+            if d <= limit:
+                hits[idx - pidx] = (d, pfp, ptext)
+        self._units.append((idx, fp, unit))
+        self._streaks = {lag: self._streaks.get(lag, 0) + 1 for lag in hits}
+        for lag, streak in self._streaks.items():
+            if streak >= self.p.b_consecutive:
+                d, pfp, ptext = hits[lag]
+                return Trip(
+                    "token_loop",
+                    f"{streak} consecutive sentences repeat the ones {lag} back",
+                    {
+                        "tier": "unit_simhash",
+                        "lag_units": lag,
+                        "repeating_span": unit[:512],
+                        "matched_span": ptext[:512],
+                        "fingerprints": [f"{fp:016x}", f"{pfp:016x}"],
+                        "distance": d,
+                        "max_distance": limit,
+                        "in_code_fence": self._in_fence,
+                        "at_norm_char": self.n,
+                    },
+                )
+        return None
+
+    # Tier C: sliding char-5-gram windows.
+    def _tier_c(self) -> Trip | None:
+        p = self.p
+        trip = None
+        while self.n >= self._next_c:
+            end = self._next_c
+            self._next_c += p.c_stride
+            rel = end - self.base
+            window = self.buf[rel - p.c_window : rel]
+            fp = simhash_chars(window)
+            while self._windows and self._windows[0][0] < end - p.c_max_lag:
+                self._windows.popleft()
+            best: tuple[int, int, int] | None = None
+            if not self._in_fence:
+                for wend, wfp in self._windows:
+                    if wend > end - p.c_window:
+                        break
+                    d = hamming(fp, wfp)
+                    if best is None or d < best[0]:
+                        best = (d, wend, wfp)
+            self._windows.append((end, fp))
+            if best is not None and best[0] <= p.c_max_distance:
+                self._c_hits += 1
+            else:
+                self._c_hits = 0
+            if trip is None and self._c_hits >= p.c_consecutive and best is not None:
+                trip = Trip(
+                    "token_loop",
+                    f"{self._c_hits} windows in a row repeat earlier text "
+                    f"(Hamming {best[0]} <= {p.c_max_distance})",
+                    {
+                        "tier": "window_simhash",
+                        "window": [end - p.c_window, end],
+                        "matched_window": [best[1] - p.c_window, best[1]],
+                        "repeating_span": window,
+                        "fingerprints": [f"{fp:016x}", f"{best[2]:016x}"],
+                        "distance": best[0],
+                        "max_distance": p.c_max_distance,
+                    },
+                )
+        return trip
+
+
+# --- retry loops ---------------------------------------------------------------------------
+
+_MASKS = [
+    (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", re.I),
+     "<uuid>"),
+    (re.compile(r"\b\d{4}-\d{2}-\d{2}[t ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:z|[+-]\d{2}:?\d{2})?",
+                re.I), "<ts>"),
+    (re.compile(r"\b\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<ts>"),
+    (re.compile(r"\b(?:0x)?[0-9a-f]{16,}\b", re.I), "<hex>"),
+    (re.compile(r"\b(?=[\w-]*\d)(?=[\w-]*[a-z])[\w-]{16,}\b", re.I), "<id>"),
+    (re.compile(r"\b\d{10,}\b"), "<num>"),
+    (re.compile(r"\b(attempt|retry|retries|try|tries|iteration|iter|step|round|call|request|run|"
+                r"turn|loop|pass|#)\s*(?:no\.?\s*|#\s*)?\d+(?:\s*(?:/|of)\s*\d+)?", re.I),
+     r"\1 <n>"),
+]
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def mask_volatile(text: str) -> str:
+    """Mask UUIDs, timestamps, hex/opaque ids, epoch numbers and attempt counters."""
+    for pattern, repl in _MASKS:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(_content_text(part) for part in content)
+    if isinstance(content, dict):
+        parts = [str(content["name"])] if content.get("name") else []
+        for key in ("text", "content", "output", "arguments", "input", "thinking"):
+            if key in content:
+                value = content[key]
+                parts.append(value if isinstance(value, str) else _content_text(value)
+                             if isinstance(value, list) else json.dumps(value, sort_keys=True))
+        if "function" in content:
+            parts.append(_content_text(content["function"]))
+        return " ".join(parts)
+    return str(content)
+
+
+def request_tail(body: Any, messages: int = 2, prompt_chars: int = 1024) -> str | None:
+    """The newest content of an LLM request body (chat, responses, completions, generate)."""
+    if not isinstance(body, dict):
+        return None
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        msgs = body.get("input") if isinstance(body.get("input"), list) else None
+    if isinstance(msgs, list) and msgs:
+        out = []
+        for msg in msgs[-messages:]:
+            if isinstance(msg, dict):
+                text = _content_text(msg.get("content"))
+                if msg.get("tool_calls"):
+                    text += " " + _content_text(msg["tool_calls"])
+                if not msg.get("content") and not msg.get("tool_calls"):
+                    text += " " + _content_text(msg)
+                out.append(f"{msg.get('role', '')}: {text}")
+            else:
+                out.append(_content_text(msg))
+        return "\n".join(out)
+    for key in ("prompt", "input"):
+        value = body.get(key)
+        if isinstance(value, str):
+            return value[-prompt_chars:]
+        if isinstance(value, list) and value and isinstance(value[-1], str):
+            return value[-1][-prompt_chars:]
+    return None
+
+
+@dataclass
+class _Seen:
+    index: int
+    fp: int
+    numbers: tuple[str, ...]
+    text: str
+
+
+class RetryDetector:
+    """Retry loops across one agent's requests; feed it each request body (parsed JSON)."""
+
+    def __init__(self, params: LoopParams | None = None) -> None:
+        self.p = params or LoopParams()
+        self._seen: deque[_Seen] = deque(maxlen=self.p.retry_history)
+        self.requests = 0
+        self.streak = 0
+        self._evidence: list[dict[str, Any]] = []
+
+    def feed(self, body: Any) -> Trip | None:
+        tail = request_tail(body, self.p.retry_tail_messages, self.p.retry_prompt_chars)
+        index = self.requests
+        self.requests += 1
+        if tail is None:
+            return None
+        masked = mask_volatile(" ".join(tail.lower().split()))
+        fp = simhash_chars(masked)
+        numbers = tuple(_NUMBER.findall(masked))
+        match: tuple[int, _Seen] | None = None
+        for seen in self._seen:
+            d = hamming(fp, seen.fp)
+            if d <= self.p.retry_max_distance and seen.numbers == numbers and (
+                match is None or d < match[0]
+            ):
+                match = (d, seen)
+        self._seen.append(_Seen(index, fp, numbers, masked[:512]))
+        if match is None:
+            self.streak = 0
+            self._evidence = []
+            return None
+        self.streak += 1
+        self._evidence.append({"request": index, "matches_request": match[1].index,
+                               "distance": match[0], "fingerprint": f"{fp:016x}"})
+        self._evidence = self._evidence[-self.p.retry_repeats:]
+        if self.streak + 1 < self.p.retry_repeats:
+            return None
+        trip = Trip(
+            "retry_loop",
+            f"{self.streak + 1} near-identical requests in a row",
+            {
+                "tier": "request_tail",
+                "repeats": self.streak + 1,
+                "max_distance": self.p.retry_max_distance,
+                "repeating_span": masked[:512],
+                "hits": list(self._evidence),
+            },
+            at_request=index,
+        )
+        self.streak = 0
+        self._evidence = []
+        return trip

@@ -1,0 +1,148 @@
+"""Loop detectors on the seeded corpus in tests/data (regenerate with make_corpus.py)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+from fleettop.supervisor.loops import (
+    LoopDetector,
+    LoopParams,
+    Normaliser,
+    RetryDetector,
+    hamming,
+    mask_volatile,
+    request_tail,
+    simhash_chars,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+def _load(name: str) -> list[dict]:
+    with gzip.open(DATA / name, "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def stream(text: str, seed: int = 1, params: LoopParams | None = None):
+    """Feed `text` in random 2-24 char deltas, as SSE/NDJSON deltas arrive."""
+    rng = random.Random(seed)
+    det = LoopDetector(params)
+    i = 0
+    while i < len(text):
+        k = rng.randint(2, 24)
+        trip = det.feed(text[i : i + k])
+        i += k
+        if trip is not None:
+            return trip
+    return None
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[dict]:
+    return _load("loop_corpus.jsonl.gz")
+
+
+def test_legit_repetitive_text_never_trips(corpus):
+    legit = [s for s in corpus if s["label"] == "legit"]
+    assert len({s["category"] for s in legit}) >= 14
+    tripped = [(s["id"], t.reason) for s in legit if (t := stream(s["text"])) is not None]
+    assert tripped == []
+
+
+def test_loops_are_caught_soon_after_onset(corpus):
+    loops = [s for s in corpus if s["label"] == "loop"]
+    delays = []
+    for s in loops:
+        trip = stream(s["text"])
+        if trip is not None:
+            assert trip.kind == "token_loop"
+            assert trip.at_char > s["loop_start"]
+            delays.append(trip.at_char - s["loop_start"])
+    assert len(delays) / len(loops) >= 0.97
+    delays.sort()
+    assert delays[len(delays) // 2] <= 500
+
+
+def test_verdict_does_not_depend_on_chunking(corpus):
+    for s in corpus[::25]:
+        verdicts = {None if (t := stream(s["text"], seed)) is None else t.evidence["tier"]
+                    for seed in (1, 2, 3)}
+        assert len(verdicts) == 1, s["id"]
+
+
+def test_normaliser_is_incremental():
+    text = "Hello   World\n\n  Foo\tBAR  \n baz "
+    whole = Normaliser().feed(text)
+    for cut in range(1, len(text)):
+        n = Normaliser()
+        assert n.feed(text[:cut]) + n.feed(text[cut:]) == whole
+    assert whole == "hello world\nfoo bar\nbaz"
+
+
+def test_short_phrase_loop_evidence():
+    det = LoopDetector()
+    trip = None
+    text = "Sure, here is the answer. " + "the " * 200
+    for i in range(0, len(text), 7):
+        trip = trip or det.feed(text[i : i + 7])
+    assert trip is not None and trip.evidence["tier"] == "exact_period"
+    ev = trip.evidence
+    assert ev["period"] % 4 == 0 and "the" in ev["repeating_span"]
+    assert ev["loop_start"] <= 40 and ev["copies"] >= 3
+    assert det.feed("more") is None  # trips once
+
+
+def test_separator_rules_do_not_trip():
+    text = "".join(f"part {i}\n" + "=" * 300 + f"\nsection {i}\n" + "-" * 200 + "\n"
+                   for i in range(3))
+    assert stream(text) is None
+    assert stream("x " + "=" * 3000) is not None  # a runaway separator still trips
+
+
+def test_thresholds_are_configurable():
+    text = "Some preamble that is long enough to matter here. " + "Loop forever now. " * 12
+    assert stream(text) is not None
+    strict = LoopParams(a_min_cover=10_000, b_consecutive=99, c_consecutive=99)
+    assert stream(text, params=strict) is None
+
+
+def test_simhash_distances():
+    a = simhash_chars("the quick brown fox jumps over the lazy dog " * 3)
+    assert hamming(a, simhash_chars("the quick brown fox jumps over the lazy dog " * 3)) == 0
+    assert hamming(a, simhash_chars("completely unrelated text about compilers and linkers")) > 12
+
+
+def test_masking_of_volatile_fields():
+    text = ("attempt 3/50 at 2024-06-11T10:00:00Z id 123e4567-e89b-12d3-a456-426614174000 "
+            "sha deadbeefdeadbeefdeadbeef epoch 1718100000 job abc123def456ghi789")
+    masked = mask_volatile(text)
+    for gone in ("3/50", "2024", "123e4567", "deadbeef", "1718100000", "abc123"):
+        assert gone not in masked
+    assert "45% complete" in mask_volatile("45% complete")  # progress numbers stay
+
+
+def test_request_tail_reads_each_wire_format():
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "A"},
+                         {"role": "assistant", "content": [{"type": "text", "text": "B"}]}]}
+    assert request_tail(chat) == "user: A\nassistant: B"
+    assert request_tail({"prompt": "x" * 5000}) == "x" * 1024
+    assert request_tail({"input": "hello"}) == "hello"
+    assert request_tail({"input": [{"role": "user", "content": "hi"}]}) == "user: hi"
+    assert request_tail([1, 2]) is None
+
+
+def test_retry_corpus():
+    rows = _load("request_corpus.jsonl.gz")
+    for row in rows:
+        det = RetryDetector()
+        trips = [t for body in row["requests"] if (t := det.feed(body)) is not None]
+        if row["label"] == "legit":
+            assert trips == [], row["id"]
+        else:
+            assert trips, row["id"]
+            assert trips[0].kind == "retry_loop" and trips[0].at_request <= 7
+            assert trips[0].evidence["hits"] and trips[0].evidence["repeats"] >= 6
