@@ -274,7 +274,13 @@ class _BlockingWait:
             if self._got:
                 return self.fd
             self._cancelled = True
+            self._callbacks.clear()
             return None
+
+
+def _wake(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop may be gone by the time we wake
+        loop.call_soon_threadsafe(event.set)
 
 
 class GpuLock:
@@ -463,7 +469,7 @@ class GpuLock:
                 if verdict == "block":
                     wait = self._wait = _BlockingWait(self.folder / "gpu.lock")
                     woke = asyncio.Event()
-                    wait.on_done(lambda ev=woke: loop.call_soon_threadsafe(ev.set))
+                    wait.on_done(lambda ev=woke: _wake(loop, ev))
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(woke.wait(), remaining)
                     if self._claim_wait():

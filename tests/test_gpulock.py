@@ -1,0 +1,214 @@
+"""The GPU lock with real processes: FIFO order, dead holders, reused pids, garbage, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleettop.supervisor import gpulock
+from fleettop.supervisor.gpulock import GpuLock, LockTimeout, gpu_lock, proc_start_time, status
+from fleettop.supervisor.lock_cli import EXIT_SKIPPED
+
+CHILD = """
+import sys, time
+from fleettop.supervisor.gpulock import gpu_lock
+folder, name, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
+with gpu_lock(folder, name=name, model="m", timeout=60) as lock:
+    with open(folder + "/order", "a") as f:
+        f.write(f"{lock.ticket.seq} {name}\\n")
+    print("held", flush=True)
+    time.sleep(hold)
+"""
+
+
+def _child(folder: Path, name: str, hold: float = 0.0) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(folder), name, str(hold)],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _wait_until(cond: object, what: str, limit: float = 20.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def _lock_cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fleettop.supervisor.lock_cli", "lock", *args],
+                          capture_output=True, text=True, timeout=60, **kw)  # type: ignore
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "gpu"
+
+
+def test_fifo_order_with_fifty_processes(folder: Path) -> None:
+    holder = _child(folder, "holder", hold=1.0)
+    assert holder.stdout and holder.stdout.readline() == "held\n"
+    kids = [_child(folder, f"w{i}") for i in range(50)]
+    for kid in kids:
+        assert kid.wait(60) == 0
+    holder.wait(10)
+    lines = (folder / "order").read_text().split("\n")[:-1]
+    seqs = [int(line.split()[0]) for line in lines]
+    assert len(seqs) == 51
+    assert seqs == sorted(seqs), "the lock was granted out of ticket order"
+    assert status(folder)["queue"] == [] and status(folder)["holder"] is None
+
+
+def test_holder_killed_next_waiter_proceeds(folder: Path) -> None:
+    holder = _child(folder, "victim", hold=600)
+    assert holder.stdout and holder.stdout.readline() == "held\n"
+    waiter = _child(folder, "next")
+    _wait_until(lambda: len(status(folder)["queue"]) == 1, "the waiter's ticket")
+    assert status(folder)["holder"]["name"] == "victim"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert waiter.stdout and waiter.stdout.readline() == "held\n"
+    assert waiter.wait(10) == 0
+    st = status(folder)
+    assert st["holder"] is None and st["queue"] == [] and st["stale"] == []
+
+
+def _fake_ticket(folder: Path, seq: int, pid: int, start_time: int | None,
+                 name: str = "ghost") -> Path:
+    (folder / "queue").mkdir(parents=True, exist_ok=True)
+    path = folder / "queue" / f"{seq:012d}.ticket"
+    path.write_text(json.dumps({"pid": pid, "start_time": start_time, "host": gpulock._HOST,
+                                "name": name, "model": None, "queued_at": time.time()}))
+    (folder / "seq").write_text(str(seq))
+    return path
+
+
+def test_reused_pid_ticket_is_dropped_live_one_is_kept(folder: Path) -> None:
+    # Our own pid, but another start time: the pid was reused, the ticket's owner is dead.
+    ghost = _fake_ticket(folder, 1, os.getpid(), (proc_start_time(os.getpid()) or 0) + 7)
+    with gpu_lock(folder, name="me", timeout=5) as lock:
+        assert lock.held
+    assert not ghost.exists()
+    # A live process with the right start time keeps its place however old the ticket is.
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        live = _fake_ticket(folder, 10, sleeper.pid, proc_start_time(sleeper.pid), "sleeper")
+        with pytest.raises(LockTimeout) as err:
+            GpuLock(folder, name="late", timeout=0.3).acquire()
+        assert err.value.position == 2
+        assert live.exists()
+        assert [q["name"] for q in status(folder)["queue"]] == ["sleeper"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert status(folder)["stale"][0]["name"] == "sleeper"
+    with gpu_lock(folder, timeout=5):
+        pass
+    assert not live.exists()
+
+
+def test_garbage_files_are_ignored_with_a_warning(folder: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    (folder / "queue").mkdir(parents=True)
+    (folder / "queue" / "notes.txt").write_text("hello")
+    (folder / "queue" / "000000000001.ticket").write_text("{not json")
+    (folder / "seq").write_text("garbage")
+    with caplog.at_level(logging.WARNING, logger="fleettop.supervisor.gpulock"), \
+            gpu_lock(folder, timeout=5) as lock:
+        assert lock.ticket is not None and lock.ticket.seq == 2
+    assert "notes.txt" in caplog.text and "000000000001.ticket" in caplog.text
+    assert sorted(status(folder)["ignored"]) == ["000000000001.ticket", "notes.txt"]
+
+
+def test_timeout_gives_up_cleanly(folder: Path) -> None:
+    holder = _child(folder, "busy", hold=600)
+    try:
+        assert holder.stdout and holder.stdout.readline() == "held\n"
+        with pytest.raises(LockTimeout) as err:
+            GpuLock(folder, name="impatient", timeout=0.2).acquire()
+        assert err.value.holder is not None and err.value.holder["name"] == "busy"
+        assert status(folder)["queue"] == []  # our ticket left with us
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+async def test_async_acquire_waits_in_order(folder: Path) -> None:
+    first = GpuLock(folder, name="a")
+    await first.acquire_async()
+    order: list[str] = []
+
+    async def waiter(name: str) -> None:
+        async with gpu_lock(folder, name=name, timeout=20):
+            order.append(name)
+
+    async def queued(n: int) -> None:
+        for _ in range(2000):
+            if len(status(folder)["queue"]) >= n:
+                return
+            await asyncio.sleep(0.01)
+
+    t1 = asyncio.create_task(waiter("b"))
+    await queued(1)
+    t2 = asyncio.create_task(waiter("c"))
+    await queued(2)
+    first.release()
+    await asyncio.gather(t1, t2)
+    assert order == ["b", "c"]
+    with pytest.raises(LockTimeout):
+        async with gpu_lock(folder, timeout=0), gpu_lock(folder, timeout=0.1):
+            pass
+
+
+def test_lock_run_cli_exit_codes_and_skip(folder: Path) -> None:
+    ok = _lock_cli("run", "--dir", str(folder), "--", sys.executable, "-c",
+                   "import sys; sys.exit(3)")
+    assert ok.returncode == 3
+    crashed = _lock_cli("run", "--dir", str(folder), "--", sys.executable, "-c",
+                        "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert crashed.returncode == 128 + signal.SIGKILL
+    assert status(folder)["holder"] is None  # a crash inside `lock run` releases
+    holder = _child(folder, "nightly", hold=600)
+    try:
+        assert holder.stdout and holder.stdout.readline() == "held\n"
+        skipped = _lock_cli("run", "--dir", str(folder), "--timeout", "200ms", "--name", "cron",
+                            "--", "true")
+        assert skipped.returncode == EXIT_SKIPPED
+        assert "skipped this run, will retry at the next schedule" in skipped.stderr
+        st = _lock_cli("status", "--json", "--dir", str(folder))
+        data = json.loads(st.stdout)
+        assert data["holder"]["name"] == "nightly" and data["holder"]["model"] == "m"
+        assert data["queue"] == []
+        text = _lock_cli("status", "--dir", str(folder)).stdout
+        assert "held by nightly" in text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_status_json_lists_queue_in_order(folder: Path) -> None:
+    holder = _child(folder, "h", hold=600)
+    waiters: list[subprocess.Popen[str]] = []
+    try:
+        assert holder.stdout and holder.stdout.readline() == "held\n"
+        for i in range(3):
+            waiters.append(_child(folder, f"q{i}"))
+            _wait_until(lambda n=i + 1: len(status(folder)["queue"]) == n, "a ticket")
+        data = json.loads(_lock_cli("status", "--json", "--dir", str(folder)).stdout)
+        assert [q["name"] for q in data["queue"]] == ["q0", "q1", "q2"]
+        assert [q["position"] for q in data["queue"]] == [1, 2, 3]
+        assert all(q["waited_s"] >= 0 for q in data["queue"])
+    finally:
+        holder.kill()
+        holder.wait()
+        for w in waiters:
+            assert w.wait(30) == 0
