@@ -169,19 +169,24 @@ async def test_escalates_at_once_steps_down_after_cooldown_with_hysteresis(root:
     root.pressure(memory=psi(35.0))
     clock.t += 60
     assert (await gov.step()).level == 3
+    assert sup.calls[-1] == ("freeze", "normal")  # still level 3 a cooldown later: one more
     # Well under: one level down at a time, each after `cooldown` at the level.
     root.pressure(memory=psi(5.0))
     clock.t += 1
     assert (await gov.step()).level == 2
-    assert sup.calls[-1] == ("resume", "batch")  # freezing level left: the governor resumes
+    # Below the freezing level, the governor resumes what it froze, newest first.
+    assert sup.calls[-1] == ("resume", "normal")
     clock.t += 5
     assert (await gov.step()).level == 2
+    assert sup.calls[-1] == ("resume", "batch")
     clock.t += 31
     assert (await gov.step()).level == 1
     clock.t += 31
     state = await gov.step()
     assert state.level == 0 and state.num_ctx_cap is None
-    assert [c for c in sup.calls if c[0] == "freeze"] == [("freeze", "batch")]
+    assert [c for c in sup.calls if c[0] == "freeze"] == [("freeze", "batch"),
+                                                          ("freeze", "normal")]
+    assert all(a["state"] == "running" for a in sup.agents.values())
 
 
 async def test_last_resort_kill_and_protected_agents(root: Root) -> None:
