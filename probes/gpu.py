@@ -1,0 +1,152 @@
+"""GPU memory and utilisation through NVML (nvidia-ml-py, module ``pynvml``).
+
+``NvmlGpu`` reports "no GPU" cleanly where NVML can't start (no driver, no library,
+no device): ``available`` is False and ``why`` says what NVML said. ``FakeGpu`` sits
+behind the same ``GpuSource`` protocol for tests and demos. Per-process VRAM comes
+from NVML's running compute and graphics processes; an agent's VRAM is the sum over
+its process tree (a model server that owns the VRAM is its own agent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+import contextlib
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    name: str
+    uuid: str
+    mem_used: int
+    mem_total: int
+    util_percent: float | None
+    mem_util_percent: float | None = None
+    temperature_c: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GpuSnapshot:
+    gpus: list[GpuInfo] = field(default_factory=list)
+    process_vram: dict[int, int] = field(default_factory=dict)  # pid -> bytes, all GPUs
+
+    def vram_of(self, pids: list[int]) -> int:
+        return sum(self.process_vram.get(p, 0) for p in pids)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpus": [g.to_json() for g in self.gpus],
+                "process_vram": {str(k): v for k, v in self.process_vram.items()}}
+
+
+class GpuSource(Protocol):
+    available: bool
+    why: str
+
+    def sample(self) -> GpuSnapshot: ...
+
+    def close(self) -> None: ...
+
+
+class NvmlGpu:
+    """NVML-backed source. Never raises from sample(): a lost GPU reads as empty."""
+
+    def __init__(self) -> None:
+        self.available = False
+        self.why = ""
+        self.driver = ""
+        try:
+            import pynvml
+        except ImportError as exc:
+            self.why = f"no GPU: nvidia-ml-py not installed ({exc})"
+            return
+        self._nv = pynvml
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            # LibraryNotFound (no driver), DriverNotLoaded, NoPermission, ...
+            self.why = f"no GPU: {exc}"
+            return
+        try:
+            self.count = pynvml.nvmlDeviceGetCount()
+            self.driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError as exc:
+            self.why = f"no GPU: {exc}"
+            return
+        if self.count == 0:
+            self.why = "no GPU: NVML found no devices"
+            return
+        self.available = True
+
+    def sample(self) -> GpuSnapshot:
+        snap = GpuSnapshot()
+        if not self.available:
+            return snap
+        nv = self._nv
+        for i in range(self.count):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+            except nv.NVMLError:
+                continue
+            util = mem_util = temp = None
+            try:
+                u = nv.nvmlDeviceGetUtilizationRates(h)
+                util, mem_util = float(u.gpu), float(u.memory)
+            except nv.NVMLError:
+                pass
+            with contextlib.suppress(nv.NVMLError):
+                temp = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+            snap.gpus.append(GpuInfo(i, _text(nv.nvmlDeviceGetName(h)),
+                                     _text(nv.nvmlDeviceGetUUID(h)), int(mem.used),
+                                     int(mem.total), util, mem_util, temp))
+            for getter in (nv.nvmlDeviceGetComputeRunningProcesses,
+                           nv.nvmlDeviceGetGraphicsRunningProcesses):
+                try:
+                    procs = getter(h)
+                except nv.NVMLError:
+                    continue
+                for p in procs:
+                    used = p.usedGpuMemory
+                    # None / NVML_VALUE_NOT_AVAILABLE where the driver hides it (containers).
+                    if used is None or used >= 1 << 63:
+                        continue
+                    snap.process_vram[p.pid] = snap.process_vram.get(p.pid, 0) + int(used)
+        return snap
+
+    def close(self) -> None:
+        if self.available:
+            with contextlib.suppress(self._nv.NVMLError):
+                self._nv.nvmlShutdown()
+            self.available = False
+
+
+class FakeGpu:
+    """A scripted GPU for tests: set ``gpus`` and ``process_vram`` directly."""
+
+    def __init__(self, total: int = 6 << 30, name: str = "Fake GPU", count: int = 1) -> None:
+        self.available = count > 0
+        self.why = "" if self.available else "no GPU: fake with no devices"
+        self.gpus = [GpuInfo(i, name, f"GPU-fake-{i}", 0, total, 0.0) for i in range(count)]
+        self.process_vram: dict[int, int] = {}
+
+    def set_process_vram(self, pid: int, used: int, gpu: int = 0) -> None:
+        self.process_vram[pid] = used
+        self.gpus[gpu].mem_used = sum(self.process_vram.values())
+
+    def sample(self) -> GpuSnapshot:
+        return GpuSnapshot([GpuInfo(**asdict(g)) for g in self.gpus], dict(self.process_vram))
+
+    def close(self) -> None:
+        pass
+
+
+def _text(v: str | bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def open_gpu() -> GpuSource:
+    return NvmlGpu()
