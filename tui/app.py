@@ -148,6 +148,8 @@ class FleettopApp(App[str | None]):
     def watch_too_small(self, value: bool) -> None:
         self.query_one("#main").display = not value
         self.query_one("#too-small").display = value
+        if not value and self.snapshot:
+            self._render()
 
     def watch_compact(self, value: bool) -> None:
         self.query_one("#main").set_class(value, "-compact")
@@ -445,12 +447,12 @@ class FleettopApp(App[str | None]):
         self.push_screen(HelpScreen(keys, readonly=self.readonly))
 
     @on(Button.Pressed, "#btn-freeze")
-    def _freeze_clicked(self) -> None:
-        self.run_action("freeze_agent")
+    async def _freeze_clicked(self) -> None:
+        await self.run_action("freeze_agent")
 
     @on(Button.Pressed, "#btn-resume")
-    def _resume_clicked(self) -> None:
-        self.run_action("resume_agent")
+    async def _resume_clicked(self) -> None:
+        await self.run_action("resume_agent")
 
     def frozen_agents(self) -> list[str]:
         return [str(a.get("name")) for a in self.snapshot.get("agents") or []

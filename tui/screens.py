@@ -69,9 +69,9 @@ class InspectorScreen(Screen[None]):
             yield Static("", id="inspector-trip", classes="section")
             with VerticalScroll(id="inspector-tokens-box", classes="section"):
                 yield Static("", id="inspector-tokens")
+            yield Static("", id="inspector-probes", classes="section")
             yield Static("", id="inspector-requests", classes="section")
             yield Static("", id="inspector-logs", classes="section")
-            yield Static("", id="inspector-probes", classes="section")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -163,15 +163,19 @@ class InspectorScreen(Screen[None]):
         parts.append(f"rss: {fmt.size(a.get('rss_bytes'))}")
         parts.append(f"vram: {fmt.size(a.get('vram_bytes'))}")
         parts.append(f"model: {a.get('last_model') or fmt.NA}")
-        return Text("  ".join(parts))
+        cell = max(len(p) for p in parts) + 2
+        per_row = max(1, (self.size.width - 4) // cell)
+        rows = ["".join(p.ljust(cell) for p in parts[i:i + per_row]).rstrip()
+                for i in range(0, len(parts), per_row)]
+        return Text("\n".join(rows), no_wrap=True, overflow="ellipsis")
 
     @on(Button.Pressed, "#inspector-freeze")
-    def _freeze(self) -> None:
-        self.app.run_action("freeze_agent")
+    async def _freeze(self) -> None:
+        await self.app.run_action("freeze_agent")
 
     @on(Button.Pressed, "#inspector-resume")
-    def _resume(self) -> None:
-        self.app.run_action("resume_agent")
+    async def _resume(self) -> None:
+        await self.app.run_action("resume_agent")
 
     @on(Button.Pressed, "#inspector-close")
     def action_close(self) -> None:

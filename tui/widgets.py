@@ -279,13 +279,12 @@ class StatusLine(Static):
             s = fmt.display_state(a)
             counts[s] = counts.get(s, 0) + 1
         fleet = (snapshot.get("fleet") or {}).get("name") or "fleet"
-        parts = [f"{fleet}: {len(agents)} agents"]
+        parts = ["READ-ONLY"] if readonly else []
+        parts.append(f"{fleet}: {len(agents)} agents")
         parts += [f"{n} {fmt.STATE_LABELS.get(s, ('', s))[1]}" for s, n in sorted(counts.items())]
         gov = snapshot.get("governor")
         if isinstance(gov, dict) and gov.get("level") is not None:
             parts.append(f"governor {gov['level']}")
-        if readonly:
-            parts.append("READ-ONLY")
         if note:
             parts.append(note)
         text = Text(" · ".join(parts))
