@@ -212,3 +212,54 @@ def test_status_json_lists_queue_in_order(folder: Path) -> None:
         holder.wait()
         for w in waiters:
             assert w.wait(30) == 0
+
+
+async def _gate_order(folder: Path, max_wait: float) -> list[str]:
+    from fleettop.supervisor.gpu_link import GpuGate
+
+    gate = GpuGate(folder, max_wait=max_wait)
+    order: list[str] = []
+    release_first = asyncio.Event()
+    first_in = asyncio.Event()
+
+    async def request(agent: str, model: str, hold: asyncio.Event | None = None) -> None:
+        async with gate.slot(agent, model, wait=20):
+            order.append(f"{agent}:{model}")
+            first_in.set()
+            holder = status(folder)["holder"]
+            assert holder["name"].startswith("proxy:") and gate.in_flight == 1
+            if hold is not None:
+                await hold.wait()
+
+    first = asyncio.create_task(request("a1", "A", release_first))
+    await first_in.wait()
+    rest = [asyncio.create_task(request(n, m)) for n, m in (("b1", "B"), ("a2", "A"),
+                                                            ("a3", "A"))]
+    await asyncio.sleep(0.05)
+    release_first.set()
+    await asyncio.gather(first, *rest)
+    await gate.idle()
+    assert gate.lock is None and status(folder)["holder"] is None  # idle gate lets go
+    return order
+
+
+async def test_proxy_gate_batches_by_model(folder: Path) -> None:
+    assert await _gate_order(folder, max_wait=30) == ["a1:A", "a2:A", "a3:A", "b1:B"]
+
+
+async def test_proxy_gate_max_wait_stops_starvation(folder: Path) -> None:
+    assert await _gate_order(folder, max_wait=0) == ["a1:A", "b1:B", "a2:A", "a3:A"]
+
+
+def test_pick_next_rule() -> None:
+    from fleettop.supervisor.gpu_link import GateRequest, pick_next
+
+    loop = asyncio.new_event_loop()
+    try:
+        q = [GateRequest("x", m, t, loop.create_future()) for m, t in (("B", 0), ("A", 5))]
+        assert pick_next(q, "A", now=10, max_wait=30).model == "A"
+        assert pick_next(q, "A", now=31, max_wait=30).model == "B"
+        assert pick_next(q, "C", now=10, max_wait=30).model == "B"
+        assert pick_next([], "A", now=0, max_wait=1) is None
+    finally:
+        loop.close()
