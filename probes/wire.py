@@ -47,14 +47,13 @@ class BodyDecoder:
     def __init__(self, encoding: str | None) -> None:
         enc = (encoding or "identity").strip().lower()
         self.failed = False
-        self._raw_deflate = False
         self._obj: Any = None
         if enc in ("", "identity"):
             self.kind = "identity"
         elif enc in ("gzip", "x-gzip"):
             self.kind, self._obj = "gzip", zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif enc == "deflate":
-            self.kind, self._obj = "deflate", zlib.decompressobj()
+            self.kind, self._head = "deflate", b""
         elif enc == "br":
             self.kind, self._obj = "br", brotli.Decompressor()
         elif enc == "zstd":
@@ -67,16 +66,20 @@ class BodyDecoder:
             return b""
         if self.kind == "identity":
             return data
+        if self.kind == "deflate" and self._obj is None:
+            # "deflate" is meant to be zlib-wrapped, but some servers send raw deflate: look
+            # at the first two bytes for a zlib header before choosing.
+            self._head += data
+            if len(self._head) < 2:
+                return b""
+            data, self._head = self._head, b""
+            zlib_header = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+            self._obj = zlib.decompressobj(zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS)
         try:
             if self.kind == "br":
                 return self._obj.process(data)
             return self._obj.decompress(data)
         except Exception:
-            if self.kind == "deflate" and not self._raw_deflate:
-                # Some servers send raw deflate without the zlib header.
-                self._raw_deflate = True
-                self._obj = zlib.decompressobj(-zlib.MAX_WBITS)
-                return self.feed(data)
             self.failed = True
             return b""
 
