@@ -9,9 +9,9 @@ its process tree (a model server that owns the VRAM is its own agent).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
-import contextlib
 
 
 @dataclass
