@@ -439,8 +439,8 @@ class FleettopProxy:
         agent = self.agents.get(name)
         if agent is None:
             return {"event": "proxy.dump", "agent": name, "error": "unknown agent"}
-        return {"event": "proxy.dump", "agent": name, "text": redact_text(agent.ring()),
-                "requests": list(agent.requests), **self.stats(agent)} | {"event": "proxy.dump"}
+        return {**self.stats(agent), "event": "proxy.dump", "text": redact_text(agent.ring()),
+                "recent_requests": list(agent.requests)}
 
     async def _stats_loop(self) -> None:
         while True:

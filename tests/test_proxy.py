@@ -1,0 +1,328 @@
+"""The real proxy in the path: proxy_main as a subprocess, a real upstream, real clients."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import gzip
+import http.client
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+SECRET = "sk-ant-TESTSECRET0123456789abcdefXYZ"
+TOKENS = {a: f"tok-{a}-0123456789" for a in
+          ("plain", "looper", "legit", "retrier", "budgety", "secret", "gz", "odd")}
+TABLE = "".join(f"| {i} | row{i} | {i * 7 % 13} | ok |\n" for i in range(150))
+MALFORMED = b"data: {not json\n\n\x00\xff\xfe garbage\r\n\r\ndata: [1,2,3]\n\nno newline at end"
+
+
+class Upstream(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: list[dict] = []
+    closed: list[str] = []
+    finished: dict[str, float] = {}
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _sse(self, pieces, pace: float = 0.0, tag: str = "") -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        try:
+            for piece in pieces:
+                event = {"model": "mock-1", "choices": [{"delta": {"content": piece}}]}
+                self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+                if pace:
+                    time.sleep(pace)
+            self._chunk(b"data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            Upstream.finished[tag] = time.monotonic()
+        except (BrokenPipeError, ConnectionResetError):
+            Upstream.closed.append(tag)
+
+    def _json(self, obj, gz: bool = False) -> None:
+        raw = json.dumps(obj).encode()
+        if gz:
+            raw = gzip.compress(raw)
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        if gz:
+            self.send_header("content-encoding", "gzip")
+        self.send_header("content-length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+        Upstream.sent = raw
+
+    def do_GET(self) -> None:
+        Upstream.seen.append({"path": self.path, "headers": dict(self.headers)})
+        self._json({"ok": True})
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        Upstream.seen.append({"path": self.path, "headers": dict(self.headers),
+                              "body": body.decode("utf-8", "replace")})
+        prompt = json.loads(body)["messages"][-1]["content"]
+        if prompt == "SLOW":
+            self._sse([f"tok{i} " for i in range(10)], pace=0.1, tag="slow")
+        elif prompt == "LOOP":
+            self._sse(["Let me think about the plan. "] * 5
+                      + ["I will try the same thing again. "] * 3000, pace=0.002, tag="loop")
+        elif prompt == "TABLE":
+            self._sse([TABLE[i : i + 9] for i in range(0, len(TABLE), 9)], tag="table")
+        elif prompt == "MALFORMED":
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", str(len(MALFORMED)))
+            self.end_headers()
+            self.wfile.write(MALFORMED)
+        elif prompt == "GZIP":
+            self._json({"model": "mock-gz", "choices": [{"message": {"content": "zipped"}}],
+                        "usage": {"prompt_tokens": 12, "completion_tokens": 34}}, gz=True)
+        else:
+            self._json({"model": "mock-1", "choices": [{"message": {"content": "fine"}}],
+                        "usage": {"prompt_tokens": 10, "completion_tokens": 20}})
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+class Proxy:
+    def __init__(self, tmp: Path) -> None:
+        self.state = tmp
+        (tmp / "tokens.json").write_text(json.dumps(TOKENS))
+        cfg = {"proxy": {"stats_interval": 0.2, "prices": {"mock-*": {"input": 1.0,
+                                                                      "output": 2.0}}},
+               "breaker": {"budget": {"window": "1h"}},
+               "agents": {"budgety": {"budget": {"tokens": 40}}}}
+        (tmp / "cfg.json").write_text(json.dumps(cfg))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir", str(tmp),
+             "--config", str(tmp / "cfg.json"), "--tokens", str(tmp / "tokens.json")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.events: queue.Queue[dict] = queue.Queue()
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self.wait("proxy.ready", timeout=20)
+        self.port = ready["port"]
+        self.ca = ready["ca_cert"]
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self.events.put(json.loads(line))
+
+    def wait(self, kind: str, timeout: float = 5, **match) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ev = self.events.get(timeout=deadline - time.monotonic())
+            except queue.Empty:
+                break
+            if ev.get("event") == kind and all(ev.get(k) == v for k, v in match.items()):
+                return ev
+        raise AssertionError(f"no {kind} {match} within {timeout}s")
+
+    def command(self, cmd: dict) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def opener(self, agent: str | None, token: str | None = None):
+        if agent is None:
+            proxy = f"http://127.0.0.1:{self.port}"
+        else:
+            proxy = f"http://{agent}:{token or TOKENS[agent]}@127.0.0.1:{self.port}"
+        return urllib.request.build_opener(urllib.request.ProxyHandler({"http": proxy}))
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory):
+    p = Proxy(tmp_path_factory.mktemp("proxy"))
+    yield p
+    p.proc.stdin.close()
+    try:
+        p.proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        p.proc.kill()
+        p.proc.wait()
+
+
+def chat(upstream: str, prompt: str, stream: bool = True, headers: dict | None = None,
+         extra: dict | None = None) -> urllib.request.Request:
+    body = {"model": "mock-1", "stream": stream,
+            "messages": [{"role": "user", "content": prompt}], **(extra or {})}
+    return urllib.request.Request(f"{upstream}/v1/chat/completions",
+                                  data=json.dumps(body).encode(), method="POST",
+                                  headers={"content-type": "application/json", **(headers or {})})
+
+
+def test_relays_chunk_by_chunk(proxy, upstream):
+    with proxy.opener("plain").open(chat(upstream, "SLOW"), timeout=10) as resp:
+        first = resp.readline()
+        assert first.startswith(b"data: ")
+        assert "slow" not in Upstream.finished  # the first byte came before the stream ended
+        rest = resp.read()
+    assert rest.endswith(b"data: [DONE]\n\n") and "slow" in Upstream.finished
+
+
+def test_407_without_or_with_wrong_credentials(proxy, upstream):
+    for opener in (proxy.opener(None), proxy.opener("plain", "wrong"),
+                   proxy.opener("nobody", "x")):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            opener.open(chat(upstream, "hi"), timeout=5)
+        assert err.value.code == 407
+
+
+def test_credentials_never_reach_upstream(proxy, upstream):
+    Upstream.seen.clear()
+    with proxy.opener("plain").open(chat(upstream, "hi", stream=False), timeout=5) as resp:
+        assert json.loads(resp.read())["choices"][0]["message"]["content"] == "fine"
+    dumped = json.dumps(Upstream.seen)
+    assert "Proxy-Authorization" not in dumped and TOKENS["plain"] not in dumped
+    assert base64.b64encode(f"plain:{TOKENS['plain']}".encode()).decode() not in dumped
+
+
+def test_degenerate_stream_is_aborted_then_blocked_until_release(proxy, upstream):
+    opener = proxy.opener("looper")
+    got = b""
+    broken = (http.client.IncompleteRead, urllib.error.URLError, OSError)
+    with pytest.raises(broken) as err, opener.open(chat(upstream, "LOOP"), timeout=10) as resp:
+        while chunk := resp.read1(65536):
+            got += chunk
+        raise AssertionError("stream ended cleanly")
+    assert not isinstance(err.value, AssertionError)
+    assert b"[DONE]" not in got and b"fleettop_breaker" in got  # error event, then the cut
+    trip = proxy.wait("breaker.trip", agent="looper")
+    assert trip["kind"] == "token_loop" and trip["policy"] == "freeze"
+    ev = trip["evidence"]
+    assert "try the same thing again" in ev["repeating_span"] and ev["tier"]
+    assert trip["at_char"] < 1500 and Path(trip["incident"], "response.txt").exists()
+    deadline = time.monotonic() + 5
+    while "loop" not in Upstream.closed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "loop" in Upstream.closed and "loop" not in Upstream.finished  # upstream cut too
+    with pytest.raises(urllib.error.HTTPError) as blocked:
+        opener.open(chat(upstream, "hi", stream=False), timeout=5)
+    assert blocked.value.code == 429
+    body = json.loads(blocked.value.read())
+    assert body["error"]["type"] == "fleettop_blocked" and "resume" in body["error"]["message"]
+    proxy.command({"cmd": "release", "agent": "looper"})
+    proxy.wait("proxy.released", agent="looper")
+    with opener.open(chat(upstream, "hi", stream=False), timeout=5) as resp:
+        assert resp.status == 200
+
+
+def test_legit_repetitive_stream_is_not_tripped(proxy, upstream):
+    with proxy.opener("legit").open(chat(upstream, "TABLE"), timeout=10) as resp:
+        body = resp.read()
+    assert body.endswith(b"data: [DONE]\n\n")
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"]["content"]
+                   for line in body.decode().split("\n\n") if line.startswith("data: {"))
+    assert text == TABLE
+    stats = proxy.wait("proxy.stats", agent="legit")
+    assert stats["blocked"] is None and stats["trips"] == 0
+
+
+def test_retry_loop_trips_across_requests(proxy, upstream):
+    opener = proxy.opener("retrier")
+    codes = []
+    for i in range(8):
+        req = chat(upstream, "please fix the failing build", stream=False,
+                   extra={"metadata": {"attempt": i}})
+        try:
+            with opener.open(req, timeout=5) as resp:
+                codes.append(resp.status)
+        except urllib.error.HTTPError as e:
+            codes.append(e.code)
+    assert codes[:5] == [200] * 5 and codes[5:] == [429] * 3
+    trip = proxy.wait("breaker.trip", agent="retrier")
+    assert trip["kind"] == "retry_loop" and trip["at_request"] == 5
+    assert len(trip["evidence"]["hits"]) >= 5
+
+
+def test_token_budget(proxy, upstream):
+    opener = proxy.opener("budgety")
+    with opener.open(chat(upstream, "one", stream=False), timeout=5) as resp:
+        assert resp.status == 200  # 30 tokens: under 40
+    with opener.open(chat(upstream, "two", stream=False), timeout=5) as resp:
+        resp.read()  # crossing the budget on this response blocks what follows
+    trip = proxy.wait("breaker.trip", agent="budgety")
+    assert trip["kind"] == "budget" and trip["evidence"]["budget"] == "tokens"
+    with pytest.raises(urllib.error.HTTPError) as blocked:
+        opener.open(chat(upstream, "three", stream=False), timeout=5)
+    assert blocked.value.code == 429
+    stats = proxy.wait("proxy.stats", agent="budgety")
+    assert stats["tokens_in"] == 20 and stats["tokens_out"] == 40
+    assert stats["cost"] == pytest.approx((20 * 1.0 + 40 * 2.0) / 1e6)
+    assert stats["last_model"] == "mock-1"
+
+
+def test_secrets_are_never_stored_or_reported(proxy, upstream):
+    opener = proxy.opener("secret")
+    req = chat(upstream, f"my key is {SECRET}", stream=False,
+               headers={"Authorization": f"Bearer {SECRET}", "x-api-key": SECRET},
+               extra={"api_key": SECRET})
+    with opener.open(req, timeout=5) as resp:
+        resp.read()
+    assert any(SECRET in json.dumps(s) for s in Upstream.seen)  # upstream still gets it
+    proxy.command({"cmd": "dump", "agent": "secret"})
+    dump = proxy.wait("proxy.dump", agent="secret")
+    headers = {k.lower(): v for k, v in dump["recent_requests"][0]["headers"].items()}
+    assert headers["authorization"] == headers["x-api-key"] == "[REDACTED]"
+    with opener.open(chat(upstream, "LOOP"), timeout=10) as resp, contextlib.suppress(
+            http.client.IncompleteRead, OSError):
+        resp.read()
+    trip = proxy.wait("breaker.trip", agent="secret")
+    files = list(Path(trip["incident"]).iterdir())
+    assert {f.name for f in files} >= {"event.json", "response.txt", "requests.jsonl"}
+    for f in files:
+        assert SECRET not in f.read_text()
+    assert not any(SECRET in line for line in proxy.lines)
+    assert TOKENS["secret"] not in "".join(proxy.lines)
+
+
+def test_malformed_traffic_passes_untouched(proxy, upstream):
+    with proxy.opener("odd").open(chat(upstream, "MALFORMED"), timeout=5) as resp:
+        assert resp.read() == MALFORMED
+    with proxy.opener("odd").open(f"{upstream}/not/an/llm/path", timeout=5) as resp:
+        assert json.loads(resp.read()) == {"ok": True}
+    stats = proxy.wait("proxy.stats", agent="odd")
+    assert stats["passthrough"] >= 1 and stats["blocked"] is None
+
+
+def test_gzip_bodies_are_relayed_as_sent_and_counted(proxy, upstream):
+    with proxy.opener("gz").open(chat(upstream, "GZIP", stream=False), timeout=5) as resp:
+        assert resp.headers["content-encoding"] == "gzip"
+        raw = resp.read()
+    assert raw == Upstream.sent
+    assert json.loads(gzip.decompress(raw))["choices"][0]["message"]["content"] == "zipped"
+    stats = proxy.wait("proxy.stats", agent="gz")
+    assert (stats["tokens_in"], stats["tokens_out"], stats["last_model"]) == (12, 34, "mock-gz")
+
+
+def test_ca_key_is_private(proxy):
+    key = Path(proxy.ca).parent / "mitmproxy-ca.pem"
+    assert os.stat(key).st_mode & 0o077 == 0
