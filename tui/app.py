@@ -385,7 +385,7 @@ class FleettopApp(App[str | None]):
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.display = True
-        box.focus()
+        self.screen.set_focus(box)  # now, so keys typed right after `/` land in the box
 
     @on(Input.Changed, "#filter")
     def _filter_changed(self, event: Input.Changed) -> None:

@@ -280,13 +280,13 @@ class StatusLine(Static):
             counts[s] = counts.get(s, 0) + 1
         fleet = (snapshot.get("fleet") or {}).get("name") or "fleet"
         parts = ["READ-ONLY"] if readonly else []
+        if note:
+            parts.append(note)
         parts.append(f"{fleet}: {len(agents)} agents")
         parts += [f"{n} {fmt.STATE_LABELS.get(s, ('', s))[1]}" for s, n in sorted(counts.items())]
         gov = snapshot.get("governor")
         if isinstance(gov, dict) and gov.get("level") is not None:
             parts.append(f"governor {gov['level']}")
-        if note:
-            parts.append(note)
         text = Text(" · ".join(parts))
         if error:
             text.append(f"  ✗ {error}", style="bold red")
