@@ -326,3 +326,99 @@ def test_gzip_bodies_are_relayed_as_sent_and_counted(proxy, upstream):
 def test_ca_key_is_private(proxy):
     key = Path(proxy.ca).parent / "mitmproxy-ca.pem"
     assert os.stat(key).st_mode & 0o077 == 0
+
+
+class FakeSupervisor:
+    """The CONTRACT's Supervisor surface that ProxyLink uses."""
+
+    def __init__(self) -> None:
+        self.env_hooks: list = []
+        self.status_hooks: list = []
+        self.events: list[tuple[str, str | None, dict]] = []
+        self.frozen: list[tuple[str, str, str, dict]] = []
+        self.agents = {"looper2": object()}
+        self.queues: list = []
+
+    def emit(self, kind, agent=None, reason="", **data):
+        self.events.append((kind, agent, {"reason": reason, **data}))
+
+    async def freeze_agent(self, name, reason, source="user", evidence=None):
+        self.frozen.append((name, reason, source, evidence or {}))
+
+    async def stop_agent(self, name):
+        pass
+
+    def subscribe(self):
+        import asyncio
+
+        q = asyncio.Queue()
+        self.queues.append(q)
+        return q
+
+    def unsubscribe(self, q):
+        self.queues.remove(q)
+
+
+async def test_proxy_link_env_freeze_and_release(tmp_path, upstream):
+    import asyncio
+    from types import SimpleNamespace
+
+    from fleettop.supervisor.events import Event
+    from fleettop.supervisor.proxy_link import ProxyLink, proxy_env
+    from fleettop.supervisor.sections_proxy import BreakerSection, ProxySection
+
+    sup = FakeSupervisor()
+    link = ProxyLink(sup, ProxySection(stats_interval=0.2), BreakerSection(), tmp_path)
+    link.register()
+    await link.start()
+    try:
+        env = {"NO_PROXY": "localhost,127.0.0.1,example.com"}
+        for hook in sup.env_hooks:
+            hook(SimpleNamespace(name="looper2"), env)
+        assert env["HTTP_PROXY"] == env["https_proxy"] and "@127.0.0.1:" in env["HTTP_PROXY"]
+        assert env["NO_PROXY"] == "example.com"
+        bundle = await asyncio.to_thread(Path(env["SSL_CERT_FILE"]).read_text)
+        assert env["REQUESTS_CA_BUNDLE"] == env["CURL_CA_BUNDLE"] == env["SSL_CERT_FILE"]
+        ca = await asyncio.to_thread(Path(env["NODE_EXTRA_CA_CERTS"]).read_text)
+        assert ca.strip() in bundle
+        assert bundle.count("BEGIN CERTIFICATE") > 50  # certifi's roots + ours
+        assert os.stat(link.tokens_file).st_mode & 0o077 == 0
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler(
+            {"http": env["HTTP_PROXY"]}))
+
+        def loop_request() -> int:
+            try:
+                with opener.open(chat(upstream, "LOOP"), timeout=10) as resp:
+                    resp.read()
+                return 200
+            except urllib.error.HTTPError as e:
+                return e.code
+            except (http.client.IncompleteRead, OSError):
+                return -1
+
+        assert await asyncio.to_thread(loop_request) == -1
+        for _ in range(100):
+            if sup.frozen:
+                break
+            await asyncio.sleep(0.05)
+        assert sup.frozen, sup.events
+        name, reason, source, evidence = sup.frozen[0]
+        assert (name, source) == ("looper2", "breaker") and reason.startswith("token_loop")
+        assert evidence["repeating_span"] and evidence["incident"]
+        assert any(k == "breaker.trip" and a == "looper2" for k, a, _ in sup.events)
+        assert await asyncio.to_thread(loop_request) == 429
+        for q in sup.queues:
+            q.put_nowait(Event("agent.resumed", "looper2", "user", {}, time.time()))
+        for _ in range(100):
+            if any(k == "breaker.released" for k, _, _ in sup.events):
+                break
+            await asyncio.sleep(0.05)
+        assert any(k == "breaker.released" for k, _, _ in sup.events)
+        for _ in range(40):
+            if sup.status_hooks[0]("looper2"):
+                break
+            await asyncio.sleep(0.05)
+        assert sup.status_hooks[0]("looper2")["proxy"]["trips"] == 1
+    finally:
+        await link.stop()
+    assert proxy_env("a", "t", 1, base_env={})["NO_PROXY"] == ""

@@ -1,0 +1,259 @@
+"""The supervisor's side of the token proxy: agent env, the proxy process, its reports.
+
+- `proxy_env(...)` builds what an agent needs to go through the proxy: HTTP(S)_PROXY in both
+  cases with a per-run token, a NO_PROXY that does not exempt loopback, and CA trust for the
+  fleettop CA (a bundle of certifi's roots + the CA: SSL_CERT_FILE *replaces* the trust store).
+- `ProxyLink` starts `python -m fleettop.probes.proxy_main`, restarts it if it dies, registers
+  `env_hook`/`status_hook` on the supervisor, and turns the proxy's JSON-line reports into
+  `supervisor.emit(...)` and `supervisor.freeze_agent(..., source="breaker")` calls. Stats
+  (`proxy.stats`, every second per agent) are kept for `status_hook`, not emitted as events, so
+  they never flood the event ring. An `agent.resumed` event releases that agent's block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import certifi
+from fleettop.supervisor.sections_proxy import BreakerSection, ProxySection
+
+_LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "127.0.0.0/8", "0.0.0.0", "*"}
+_STAT_FIELDS = ("tokens_in", "tokens_out", "cost", "req_per_min", "requests", "last_model",
+                "blocked", "active_streams", "trips", "text_tail")
+
+
+def write_ca_bundle(ca_cert: Path, out: Path) -> Path:
+    """certifi's roots + the fleettop CA, for SSL_CERT_FILE / REQUESTS_CA_BUNDLE."""
+    data = Path(certifi.where()).read_bytes().rstrip() + b"\n" + ca_cert.read_bytes()
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, out)
+    return out
+
+
+def proxy_env(agent: str, token: str, port: int, *, host: str = "127.0.0.1",
+              bundle: Path | None = None, ca_cert: Path | None = None,
+              base_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables that point one agent at the proxy (merge them into its env)."""
+    url = f"http://{agent}:{token}@{'[' + host + ']' if ':' in host else host}:{port}"
+    env = {k: url for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
+    base = base_env if base_env is not None else dict(os.environ)
+    keep = [h for h in (base.get("NO_PROXY") or base.get("no_proxy") or "").split(",")
+            if h.strip() and h.strip().lower() not in _LOOPBACK]
+    env["NO_PROXY"] = env["no_proxy"] = ",".join(keep)  # loopback backends go through us too
+    if bundle is not None:
+        env["SSL_CERT_FILE"] = env["REQUESTS_CA_BUNDLE"] = env["CURL_CA_BUNDLE"] = str(bundle)
+    if ca_cert is not None:
+        env["NODE_EXTRA_CA_CERTS"] = str(ca_cert)
+    env["FLEETTOP_AGENT"] = agent
+    return env
+
+
+class ProxyLink:
+    """Runs the proxy process for one supervisor and relays between them."""
+
+    def __init__(self, supervisor: Any, proxy: ProxySection, breaker: BreakerSection,
+                 state_dir: Path, agent_breakers: dict[str, Any] | None = None,
+                 python: str = sys.executable) -> None:
+        self.sup = supervisor
+        self.proxy = proxy
+        self.breaker = breaker
+        self.state_dir = Path(state_dir)
+        self.agent_breakers = {k: v for k, v in (agent_breakers or {}).items() if v is not None}
+        self.python = python
+        self.tokens: dict[str, str] = {}
+        self.stats: dict[str, dict[str, Any]] = {}
+        self.port: int | None = None
+        self.reverse_ports: dict[str, int] = {}
+        self.ca_cert: Path | None = None
+        self.bundle: Path | None = None
+        self.restarts = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopping = False
+        self.tokens_file = self.state_dir / "proxy-tokens.json"
+        self.config_file = self.state_dir / "proxy-config.json"
+
+    # --- wiring into the supervisor ------------------------------------------------------
+    def register(self) -> None:
+        self.sup.env_hooks.append(self.env_hook)
+        self.sup.status_hooks.append(self.status_hook)
+
+    def env_hook(self, spec: Any, env: dict[str, str]) -> None:
+        name = spec.name if hasattr(spec, "name") else str(spec)
+        if self.port is None:
+            return
+        token = secrets.token_hex(16)  # fresh per agent and run
+        self.tokens[name] = token
+        self._write_private(self.tokens_file, self.tokens)
+        env.update(proxy_env(name, token, self.port, host=self.proxy.host, bundle=self.bundle,
+                             ca_cert=self.ca_cert, base_env=env))
+        if name in self.reverse_ports:
+            env["FLEETTOP_BASE_URL"] = f"http://{self.proxy.host}:{self.reverse_ports[name]}"
+        self.release(name)  # a (re)started agent starts unblocked
+
+    def status_hook(self, name: str) -> dict[str, Any]:
+        stats = self.stats.get(name)
+        if not stats:
+            return {}
+        return {"proxy": {k: stats.get(k) for k in _STAT_FIELDS}}
+
+    # --- process -------------------------------------------------------------------------
+    async def start(self, ready_s: float = 30.0) -> dict[str, Any]:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        cfg = {
+            "proxy": self.proxy.model_dump(mode="json"),
+            "breaker": self.breaker.model_dump(mode="json"),
+            "agents": {k: v.model_dump(mode="json", exclude_none=True)
+                       for k, v in self.agent_breakers.items()},
+            "reverse": {a: {"upstream": u, "port": (self.proxy.reverse_base_port + i
+                                                    if self.proxy.reverse_base_port else 0)}
+                        for i, (a, u) in enumerate(sorted(self.proxy.reverse.items()))},
+        }
+        self._write_private(self.config_file, cfg)
+        self._write_private(self.tokens_file, self.tokens)
+        ready = await self._spawn(ready_s)
+        self._spawn_task(self._supervise())
+        self._spawn_task(self._follow_supervisor())
+        return ready
+
+    async def _spawn(self, ready_s: float) -> dict[str, Any]:
+        self._ready = asyncio.get_running_loop().create_future()
+        args = [self.python, "-m", "fleettop.probes.proxy_main", "--state-dir",
+                str(self.state_dir), "--config", str(self.config_file), "--tokens",
+                str(self.tokens_file), "--host", self.proxy.host,
+                "--port", str(self.port or self.proxy.port)]
+        self._proc = await asyncio.create_subprocess_exec(
+            *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL, limit=16 * 1024 * 1024)
+        self._spawn_task(self._read(self._proc))
+        ready = await asyncio.wait_for(self._ready, ready_s)
+        self.port = int(ready["port"])
+        self.reverse_ports = {k: int(v) for k, v in (ready.get("reverse") or {}).items()}
+        self.ca_cert = Path(ready["ca_cert"])
+        self.bundle = write_ca_bundle(self.ca_cert, self.state_dir / "ca-bundle.pem")
+        self.sup.emit("proxy.started", reason=f"proxy on {self.proxy.host}:{self.port}",
+                      port=self.port, pid=ready.get("pid"), reverse=self.reverse_ports)
+        return ready
+
+    async def _supervise(self) -> None:
+        while not self._stopping:
+            proc = self._proc
+            if proc is None:
+                return
+            code = await proc.wait()
+            if self._stopping:
+                return
+            self.sup.emit("proxy.exited", reason=f"proxy exited with {code}; restarting",
+                          exit_code=code)
+            await asyncio.sleep(self.proxy.restart_backoff * min(2 ** self.restarts, 30))
+            self.restarts += 1
+            try:
+                await self._spawn(30.0)  # same port: agents' env stays valid
+            except (TimeoutError, OSError) as exc:
+                self.sup.emit("proxy.failed", reason=f"proxy restart failed: {exc}")
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            try:
+                await self.handle(event)
+            except Exception as exc:  # a report must never kill the link
+                self.sup.emit("proxy.error", reason=f"cannot handle proxy report: {exc}")
+
+    async def handle(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        agent = event.get("agent")
+        if kind == "proxy.ready":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(event)
+        elif kind in ("proxy.stats", "proxy.dump"):
+            self.stats[agent] = event
+        elif kind == "breaker.trip":
+            await self._on_trip(event)
+        elif kind == "proxy.released":
+            self.sup.emit("breaker.released", agent=agent, reason="proxy block cleared")
+
+    async def _on_trip(self, event: dict[str, Any]) -> None:
+        name, policy = event["agent"], event.get("policy", "block")
+        evidence = {"kind": event.get("kind"), "policy": policy, **(event.get("evidence") or {}),
+                    "at_char": event.get("at_char"), "at_request": event.get("at_request"),
+                    "incident": event.get("incident"), "text_tail": event.get("text_tail")}
+        reason = f"{event.get('kind')}: {event.get('reason')}"
+        self.sup.emit("breaker.trip", agent=name, reason=reason, trip_kind=event.get("kind"),
+                      policy=policy, evidence=evidence, incident=event.get("incident"))
+        if name not in getattr(self.sup, "agents", {name: None}):
+            return
+        if policy == "freeze":
+            await self.sup.freeze_agent(name, reason=reason, source="breaker", evidence=evidence)
+        elif policy == "kill":
+            await self.sup.stop_agent(name)
+
+    async def _follow_supervisor(self) -> None:
+        subscribe = getattr(self.sup, "subscribe", None)
+        if subscribe is None:
+            return
+        queue = subscribe()
+        try:
+            while True:
+                ev = await queue.get()
+                if getattr(ev, "kind", None) == "agent.resumed" and ev.agent:
+                    self.release(ev.agent)
+        finally:
+            with contextlib.suppress(Exception):
+                self.sup.unsubscribe(queue)
+
+    # --- commands ------------------------------------------------------------------------
+    def send(self, cmd: dict[str, Any]) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            proc.stdin.write((json.dumps(cmd) + "\n").encode())
+
+    def release(self, name: str) -> None:
+        self.send({"cmd": "release", "agent": name})
+
+    def dump(self, name: str) -> None:
+        self.send({"cmd": "dump", "agent": name})
+
+    async def stop(self) -> None:
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            if proc.stdin is not None:
+                proc.stdin.close()  # EOF: the proxy shuts down cleanly
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        for task in list(self._tasks):
+            task.cancel()
+
+    # --- helpers -------------------------------------------------------------------------
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    def _write_private(path: Path, data: Any) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
