@@ -75,8 +75,9 @@ BPF_HASH(procs, u32, struct pinfo, 16384);
 BPF_HASH(newthreads, u32, u8, 1024);
 // agent slot -> counters, one copy per CPU so no probe contends on a cache line.
 BPF_PERCPU_ARRAY(stats, struct agent_stats, MAX_AGENTS);
-// fork/exec/exit/oom events for the watched trees (64 KiB).
-BPF_RINGBUF_OUTPUT(events, 16);
+// fork/exec/exit/oom events for the watched trees (256 KiB: ~2300 events between
+// two 20 ms polls of the loader).
+BPF_RINGBUF_OUTPUT(events, 64);
 
 static __always_inline struct agent_stats *agent_stats(u32 agent) {
     return stats.lookup(&agent);
