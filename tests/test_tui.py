@@ -524,12 +524,13 @@ async def test_snapshot(size: tuple[int, int]) -> None:
     h = Harness()
     async with h.run(size) as pilot:
         await h.ready(pilot)
-        await pilot.pause(0.1)
+        await until(pilot, lambda: "Freeze" in screen_text(h.app).splitlines()[-1])
         main = screen_text(h.app)
         await h.select(pilot, "coder")
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(h.app.screen, InspectorScreen)
                     and h.app.screen.log_lines is not None)
+        await until(pilot, lambda: "Close" in screen_text(h.app).splitlines()[-1])
         await pilot.pause(0.2)
         inspector = screen_text(h.app)
     got = f"{main}\n{'=' * size[0]}\n{inspector}\n"

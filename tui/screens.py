@@ -72,7 +72,7 @@ class InspectorScreen(Screen[None]):
             yield Static("", id="inspector-probes", classes="section")
             yield Static("", id="inspector-requests", classes="section")
             yield Static("", id="inspector-logs", classes="section")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.query_one("#inspector-trip").border_title = "trip"
