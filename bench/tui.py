@@ -1,0 +1,113 @@
+"""UI cost: CPU% and RSS of the UI process with 50 and 200 agents at the default refresh, and
+the time from a state change in the supervisor to it being in the table.
+
+Each configuration runs in its own process (headless Textual driver: it composes and renders
+every frame like a terminal would, and discards the bytes) over the fake client from
+tests/fake_fleet.py, whose numbers change on every poll. Prints one JSON object.
+
+    .venv/bin/python bench/tui.py [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+async def _child(n: int, seconds: float, refresh_s: float) -> dict[str, Any]:
+    from fleettop.tui.app import FleettopApp
+    from fleettop.tui.widgets import AgentsTable
+
+    from tests.fake_fleet import FakeFleet
+
+    class ChangingFleet(FakeFleet):
+        async def snapshot(self) -> dict[str, Any]:
+            self.tick()
+            return await super().snapshot()
+
+    fleet = ChangingFleet(n)
+    app = FleettopApp(fleet, refresh_s=refresh_s)
+    out: dict[str, Any] = {"agents": n, "refresh_s": refresh_s}
+    async with app.run_test(size=(160, 60)) as pilot:
+        table = app.query_one(AgentsTable)
+        await pilot.pause(2.0)  # warm up: first layout, imports, history fill
+        polls0, cells0, cpu0, t0 = app.polls, table.cell_updates, _cpu_s(), time.monotonic()
+        await asyncio.sleep(seconds)
+        cpu, wall = _cpu_s() - cpu0, time.monotonic() - t0
+        out.update(cpu_percent=round(100 * cpu / wall, 2), rss_mib=round(_rss_mib(), 1),
+                   max_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                                     1),
+                   polls_per_s=round((app.polls - polls0) / wall, 2),
+                   cells_per_poll=round((table.cell_updates - cells0)
+                                        / max(1, app.polls - polls0), 1))
+
+        # latency: state change → cell shows it; with the event stream (early poll) and
+        # without it (the periodic poll alone)
+        async def shown(name: str, word: str) -> float:
+            start = time.monotonic()
+            while word not in str(table.get_row(name)[1]):  # noqa: ASYNC110 (polls the UI)
+                await asyncio.sleep(0.002)
+            return time.monotonic() - start
+
+        names = [a["name"] for a in fleet.agents if a["state"] == "running"][:8]
+        with_event, poll_only = [], []
+        for name in names[:4]:
+            fleet.set_state(name, "frozen", reason="bench")  # emits agent.state
+            with_event.append(await shown(name, "FROZEN"))
+        for name in names[4:8]:
+            await asyncio.sleep(0.37 * refresh_s)  # land at varied points of the cycle
+            next(a for a in fleet.agents if a["name"] == name)["state"] = "frozen"
+            poll_only.append(await shown(name, "FROZEN"))
+        out["latency_ms_event"] = round(1000 * statistics.median(with_event), 1)
+        out["latency_ms_poll_only_max"] = round(1000 * max(poll_only), 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--refresh", type=float, default=1.0, help="refresh period (default 1 s)")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(asyncio.run(_child(args.child, args.seconds, args.refresh))))
+        return
+    runs = []
+    for n in (50, 200):
+        proc = subprocess.run([sys.executable, __file__, "--child", str(n), "--seconds",
+                               str(args.seconds), "--refresh", str(args.refresh)],
+                              capture_output=True, text=True, check=True, cwd=ROOT)
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(json.dumps({
+        "bench": "tui", "driver": "textual headless", "refresh_s": args.refresh,
+        "window_s": args.seconds, "cpus": os.cpu_count(), "runs": runs,
+        "targets": {"cpu_percent_50_agents": 5, "rss_mib": 80,
+                    "latency": "a freeze on screen within one refresh"},
+    }))
+
+
+if __name__ == "__main__":
+    main()
