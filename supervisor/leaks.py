@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from functools import lru_cache
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
 import numpy as np
 

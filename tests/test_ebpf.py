@@ -50,6 +50,15 @@ elif action == "alloc":
         buf[i] = 1
     print(open("/proc/self/status").read().split("VmRSS:")[1].split()[0], flush=True)
     sys.stdin.readline()
+elif action == "net":
+    import socket
+    srv = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(srv.getsockname())
+    conn, _ = srv.accept()
+    cli.sendall(b"x" * 100000)
+    got = 0
+    while got < 100000:
+        got += len(conn.recv(65536))
 elif action == "tree":
     os.system("sh -c 'exit 7'")
     p = os.fork()
@@ -92,6 +101,13 @@ def test_sleep_blocks_and_write_counts_syscalls(probe):
     assert sleep["nvcsw"] >= 5  # five sleeps: five voluntary switches at least
     write, _, _ = run_child(probe, "writer", "write")
     assert write["syscalls"] >= 20000
+
+
+def test_socket_bytes_are_counted_both_ways(probe):
+    if not probe.defs["HAVE_SOCK_LENGTH"]:
+        pytest.skip("no sock:sock_{send,recv}_length tracepoints in this kernel")
+    stats, _, _ = run_child(probe, "net", "net")
+    assert stats["tx_bytes"] >= 100000 and stats["rx_bytes"] >= 100000
 
 
 def test_tree_fork_exec_exit_codes_and_signals(probe):
