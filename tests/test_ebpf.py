@@ -212,3 +212,21 @@ def test_print_c_shows_substituted_defines(capsys):
     assert ebpf.main(["--print-c"]) == 0
     text = capsys.readouterr().out
     assert "#define COUNT_SYSCALLS 0" in text and "TRACEPOINT_PROBE(sched, sched_switch)" in text
+
+
+def test_a_dead_loader_falls_back_to_procfs_and_says_why():
+    src = TelemetrySource(prefer="auto", interval=0.05)
+    src.start()
+    try:
+        assert src.source == "ebpf", src.why
+        src.watch("me", os.getpid())
+        os.kill(src.status()["loader_pid"], 9)
+        deadline = time.monotonic() + 10
+        while src.source == "ebpf" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert src.source == "procfs" and "loader exited" in src.why
+        src.sample()
+        time.sleep(0.05)
+        assert src.sample()["me"].source == "procfs"
+    finally:
+        src.close()
