@@ -549,3 +549,22 @@ def test_format_helpers() -> None:
     assert fmt.bar(1, 4, 8) == "██░░░░░░"
     assert fmt.fit_line([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert fmt.state_text({"state": "exited", "exit_code": 2}) == "✗ exit 2"
+
+
+def test_ui_section_ids_match_the_bindings() -> None:
+    from fleettop.supervisor.sections_ui import BINDING_IDS, UiSection
+
+    assert {b.id for b in APP_BINDINGS} == set(BINDING_IDS)
+    ui = UiSection.model_validate({"refresh": "2s", "keys": {"kill": "ctrl+k"}})
+    assert ui.refresh == 2.0 and ui.keys == {"kill": "ctrl+k"}
+    with pytest.raises(ValueError):
+        UiSection.model_validate({"keys": {"suspend_process": "z"}})
+
+
+def test_core_section_does_not_import_textual() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, fleettop.supervisor.sections_ui; "
+            "assert 'textual' not in sys.modules and 'fleettop.tui' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
