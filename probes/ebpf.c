@@ -190,6 +190,14 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
 TRACEPOINT_PROBE(sched, sched_process_exit) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = id, tgid = id >> 32;
+    // The task is on-CPU now and its last switch-out will find no entry: close
+    // the slice here, or a task that never blocked would show no CPU at all.
+    struct tinfo *t = tids.lookup(&tid);
+    if (t && t->in_ts) {
+        struct agent_stats *ts = agent_stats(t->agent);
+        if (ts)
+            ts->oncpu_ns += bpf_ktime_get_ns() - t->in_ts;
+    }
     tids.delete(&tid);
     if (tid != tgid)
         procs.delete(&tid);  // a thread mistaken for a process (no task_newtask)
