@@ -1,13 +1,14 @@
 """Probe overhead and leak-detection latency, as one JSON object on stdout.
 
-    sudo .venv/bin/python bench/probes.py [--rounds 7]
+    sudo .venv/bin/python bench/probes.py [--rounds 9]
 
 Overhead: a syscall-heavy child (os.write to /dev/null) and a CPU-bound child (a
 Python loop) each time their own work; conditions alternate round by round: probes
 off, default probes with the child unwatched and watched, and the same with syscall
 counting (raw_syscalls:sys_enter). Ratios are medians over the rounds relative to
-"off". Also: loader load+attach time and RSS (as the separate process the supervisor
-runs), ring-buffer events/s, and how long the leak detector takes on synthetic traces.
+"off"; paired ratios divide each round by the same round's "off". Also: loader
+load+attach time and RSS (as the separate process the supervisor runs), ring-buffer
+events/s, and how long the leak detector takes on synthetic traces.
 Without root/bcc the eBPF parts report why they were skipped.
 """
 
@@ -49,7 +50,7 @@ elif kind == "fork":
         os.waitpid(p, 0)
 print(time.perf_counter() - t, flush=True)
 """
-WORK = {"write": 100_000, "cpu": 2_000_000}
+WORK = {"write": 200_000, "cpu": 3_000_000}
 CONDITIONS = ("off", "default_unwatched", "default_watched", "syscalls_unwatched",
               "syscalls_watched")
 
@@ -109,6 +110,11 @@ def overhead(rounds: int) -> dict[str, Any]:
             "median_s": {c: round(statistics.median(v), 5) for c, v in by_cond.items()},
             "ratio_vs_off": {c: round(statistics.median(v) / off, 3)
                              for c, v in by_cond.items()},
+            # each round's time over the same round's "off": cancels slow drift
+            "paired_ratio_median": {
+                c: round(statistics.median(a / b for a, b in zip(v, by_cond["off"],
+                                                                 strict=True)), 3)
+                for c, v in by_cond.items() if c != "off"},
         }
         if kind == "write":
             per_call = {c: round((statistics.median(v) - off) / WORK[kind] * 1e9, 1)
@@ -189,7 +195,7 @@ def leak_latency() -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
     result: dict[str, Any] = {"kernel": os.uname().release, "cpus": os.cpu_count(),
                               "rounds": args.rounds}
