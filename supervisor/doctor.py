@@ -278,9 +278,13 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     return out
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("doctor", help="check what this machine lets fleettop do",
+def add_parser(parent: Any) -> argparse.ArgumentParser:
+    """Add `doctor` to a subparsers object, or fill in a `doctor` parser made by the CLI."""
+    if hasattr(parent, "add_parser"):
+        p = parent.add_parser("doctor", help="check what this machine lets fleettop do",
                               description=__doc__.splitlines()[0])
+    else:
+        p = parent
     p.add_argument("file", nargs="?", help="fleet file to validate")
     p.add_argument("-f", "--file", dest="file_opt", help="fleet file to validate")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
