@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,8 +26,7 @@ from fleettop.supervisor.serve import (
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_serve_fleet import FakeFleetClient  # noqa: E402
+from tests.fake_serve_fleet import FakeFleetClient
 
 REFRESH = 0.3
 
