@@ -18,8 +18,6 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from croniter import croniter
-from fleettop.supervisor import sections
-from fleettop.supervisor.units import parse_duration, parse_size
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -29,6 +27,9 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+
+from fleettop.supervisor import sections
+from fleettop.supervisor.units import parse_duration, parse_size
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 Size = Annotated[int, BeforeValidator(parse_size)]
@@ -194,9 +195,9 @@ class _Composer:
         if isinstance(node, yaml.MappingNode):
             out: dict[Any, Any] = {}
             for key_node, value_node in node.value:
-                key = yaml.safe_load(yaml.serialize(key_node)) if key_node.tag else key_node.value
-                if not isinstance(key, str):
-                    key = str(key)
+                # Keys stay as written: an env var named ON or NO is not a boolean.
+                key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else str(
+                    self.build(key_node, (*path, "<key>")))
                 kpath = (*path, key)
                 if key in out:
                     line, col = key_node.start_mark.line + 1, key_node.start_mark.column + 1
@@ -218,10 +219,6 @@ def _dotted(path: tuple[str | int, ...]) -> str:
     for part in path:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
-
-
-def _scalar(node: yaml.ScalarNode) -> Any:
-    return yaml.safe_load(yaml.serialize(node))
 
 
 def _did_you_mean(model: type[BaseModel] | None, key: str) -> str:
@@ -318,8 +315,15 @@ def parse_fleet(text: str, file: str = "fleet.yaml") -> Fleet:
         for err in exc.errors():
             loc = _clean_loc(err["loc"])
             is_extra = err["type"] == "extra_forbidden"
-            line, col = _position(c, loc, key=is_extra)
+            if err["type"] == "missing":
+                line, col = _position(c, loc[:-1], key=True)  # the mapping that lacks it
+            else:
+                line, col = _position(c, loc, key=is_extra)
             msg = _message(err)
+            if len(loc) >= 2 and loc[-2] == "env" and err["type"] == "string_type":
+                msg = f"env values are strings: quote it ({_dotted(loc)}: \"...\")"
+            if loc and loc[-1] == "cmd" and err["type"] in ("string_type", "list_type"):
+                msg = "cmd is an argv list or a string"
             if is_extra:
                 msg = f"unknown key {loc[-1]!r}{_did_you_mean(_model_at(loc[:-1]), str(loc[-1]))}"
             if loc and loc[-1] == "cmd" and err["type"] == "missing":

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from croniter import croniter
+
 from fleettop.supervisor import cgroups, paths, proctree
 from fleettop.supervisor.agent import AgentRuntime, AgentState, backoff_delay
 from fleettop.supervisor.config import AgentSpec, Fleet
@@ -165,6 +166,8 @@ class Supervisor:
             self._set_state(rt, AgentState.FAILED, f"cannot start: {exc}")
             return
         self._set_state(rt, AgentState.RUNNING, why, pid=rt.pid, run=rt.run_id)
+        if rt.spec.schedule:
+            self._schedule_next(rt)  # the next slot is watched even while this run goes on
 
     def _resolve_user(self, spec: AgentSpec) -> tuple[pwd.struct_passwd | None, str]:
         """Which user an agent runs as, and a warning when that is root by default."""
@@ -446,7 +449,7 @@ class Supervisor:
         else:
             assert rt.pid is not None
             proctree.signal_tree(rt.pid, signal.SIGSTOP)
-            frozen, via = True, "signal"
+            frozen, via = proctree.wait_stopped(proctree.tree_pids(rt.pid)), "signal"
         latency_ms = (time.perf_counter() - t0) * 1000
         rt.frozen_via = via
         if evidence is not None or source != "user":
@@ -489,6 +492,7 @@ class Supervisor:
         if pid in (os.getpid(), 1):
             return {"ok": False, "error": f"refusing to freeze pid {pid}"}
         n = proctree.signal_tree(pid, signal.SIGSTOP)
+        proctree.wait_stopped(proctree.tree_pids(pid))
         comm = _comm(pid)
         self.externals[pid] = {"pid": pid, "name": comm, "state": "frozen", "since": time.time()}
         self.emit("pid.frozen", None, reason, pid=pid, comm=comm, processes=n)
@@ -499,6 +503,7 @@ class Supervisor:
             self.externals.pop(pid, None)
             return {"ok": False, "error": f"no process {pid}"}
         n = proctree.signal_tree(pid, signal.SIGCONT)
+        proctree.wait_stopped(proctree.tree_pids(pid), stopped=False)
         self.externals.setdefault(pid, {"pid": pid, "name": _comm(pid)})
         self.externals[pid].update(state="running", since=time.time())
         self.emit("pid.resumed", None, reason, pid=pid, processes=n)

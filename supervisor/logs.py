@@ -20,10 +20,18 @@ class AgentLog:
         self._size = self._fh.tell()
 
     def write(self, data: bytes, stream: str = "out") -> None:
-        if self._size + len(data) > self.max_bytes and self._size > 0:
-            self.rotate()
-        self._fh.write(data)
-        self._size += len(data)
+        rest = data
+        while rest:
+            room = self.max_bytes - self._size
+            if room <= 0 or (len(rest) > room and self._size > 0 and b"\n" not in rest[:room]):
+                self.rotate()
+                room = self.max_bytes
+            piece = rest[:room]
+            if len(rest) > room and b"\n" in piece:
+                piece = piece[: piece.rindex(b"\n") + 1]  # rotate on a line boundary
+            self._fh.write(piece)
+            self._size += len(piece)
+            rest = rest[len(piece):]
         text = self._partial[stream] + data.decode("utf-8", "replace")
         *lines, self._partial[stream] = text.split("\n")
         prefix = "! " if stream == "err" else ""

@@ -46,6 +46,10 @@ def tree_pids(root: int) -> list[int]:
         stack.extend(kids.get(pid, []))
     with contextlib.suppress(ProcessLookupError, PermissionError):
         pgid = os.getpgid(root)
+        if pgid != root:
+            # Not a group leader (e.g. a pid typed in by the user): its group is someone
+            # else's — possibly ours — so only its descendants belong to it.
+            return sorted(p for p in seen if os.path.exists(f"/proc/{p}"))
         for pid in list(kids.get(1, [])) + [p for ps in kids.values() for p in ps]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if os.getpgid(pid) == pgid:
@@ -66,6 +70,20 @@ def signal_tree(root: int, sig: int) -> int:
         except (ProcessLookupError, PermissionError):
             continue
     return n
+
+
+def wait_stopped(pids: list[int], stopped: bool = True, timeout: float = 0.5) -> bool:
+    """Signals land asynchronously: wait until every pid shows `T` (or stops showing it)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [proc_state(p) for p in pids]
+        if all(s is None or s in "ZX" or (s in "Tt") == stopped for s in states):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
 
 
 def proc_state(pid: int) -> str | None:

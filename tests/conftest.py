@@ -1,0 +1,40 @@
+"""Shared fixtures: every test gets its own state and runtime dirs, so fleets never collide."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleettop.supervisor import cgroups
+
+
+@pytest.fixture(autouse=True)
+def _private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    base = tmp_path_factory.mktemp("fleettop-dirs")
+    monkeypatch.setenv("FLEETTOP_STATE_DIR", str(base / "state"))
+    monkeypatch.setenv("FLEETTOP_RUNTIME_DIR", str(base / "run"))
+    yield
+
+
+def cgroup_v2_writable() -> str:
+    """"" when this machine lets us make cgroups, else why not (for skip messages)."""
+    mount = cgroups.find_v2_mount()
+    if mount is None:
+        return "no cgroup v2 mount"
+    if os.geteuid() != 0 and not os.access(mount, os.W_OK):
+        return f"cgroup v2 at {mount} not writable by uid {os.geteuid()} (run as root)"
+    return ""
+
+
+needs_cgroups = pytest.mark.skipif(bool(cgroup_v2_writable()),
+                                   reason=f"needs a writable cgroup v2: {cgroup_v2_writable()}")
+FLEETTOP = [sys.executable, "-m", "fleettop.supervisor.cli"]
+
+
+def write_fleet(tmp: Path, text: str, name: str = "fleet.yaml") -> Path:
+    path = tmp / name
+    path.write_text(text)
+    return path

@@ -1,0 +1,286 @@
+"""The supervisor with real processes, signals and cgroups: no mocks of the OS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from fleettop.supervisor import cgroups, proctree
+from fleettop.supervisor.agent import AgentState
+from fleettop.supervisor.config import parse_fleet
+from fleettop.supervisor.fleet import Supervisor
+from tests.conftest import needs_cgroups
+
+PY = sys.executable
+
+
+async def wait_for(pred: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or pred}")
+        await asyncio.sleep(0.02)
+
+
+def fleet_of(tmp: Path, text: str | dict):
+    if isinstance(text, dict):
+        text = json.dumps(text)  # JSON is YAML: no quoting puzzles for shell scripts
+    path = tmp / "fleet.yaml"
+    path.write_text(text)
+    return parse_fleet(text, str(path))
+
+
+async def running(tmp: Path, text: str | dict,
+                  use_cgroups: bool = True) -> AsyncIterator[Supervisor]:
+    sup = Supervisor(fleet_of(tmp, text), use_cgroups=use_cgroups)
+    await sup.start()
+    try:
+        yield sup
+    finally:
+        await sup.shutdown()
+
+
+def kinds(sup: Supervisor, kind: str, agent: str | None = None) -> list:
+    return [e for e in sup.events if e.kind == kind and (agent is None or e.agent == agent)]
+
+
+def transitions(sup: Supervisor, agent: str) -> list[str]:
+    return [e.data["to"] for e in kinds(sup, "agent.state", agent)]
+
+
+def alive(pid: int) -> bool:
+    state = proctree.proc_state(pid)
+    return state is not None and state != "Z"
+
+
+TICKER = ("import os,sys,time\np=sys.argv[1]\nos.fork(); os.fork()\n"
+          "while True:\n  open(p+str(os.getpid()),'a').write('x'); time.sleep(0.02)")
+
+
+@pytest.mark.parametrize("isolation", ["cgroup", "signal"])
+async def test_freeze_and_resume_a_multiprocess_agent(tmp_path: Path, isolation: str) -> None:
+    if isolation == "cgroup" and cgroups.find_v2_mount() is None:
+        pytest.skip("no cgroup v2 mount: the cgroup freezer can't be tested here")
+    # sh → python → 3 forks: a 5-process tree, each process writing its own file.
+    cmd = ["/bin/sh", "-c", '"$1" -c "$2" "$3" & wait', "sh", PY, TICKER, f"{tmp_path}/t."]
+    text = {"agents": {"tick": {"cmd": cmd}}}
+    async for sup in running(tmp_path, text, use_cgroups=isolation == "cgroup"):
+        rt = sup.agents["tick"]
+        await wait_for(lambda: len(list(tmp_path.glob("t.*"))) >= 4, what="4 tickers")
+        pids = rt.pids()
+        assert len(pids) >= 4  # sh + the python and its 3 forks
+        if isolation == "cgroup" and rt.cgroup is None:
+            pytest.skip(f"cgroup v2 not writable here: {sup.cgroup_reason}")
+        reply = await sup.freeze_agent("tick", "test freeze")
+        assert reply["ok"] and reply["via"] == isolation
+        assert rt.state is AgentState.FROZEN
+        if isolation == "cgroup":
+            assert cgroups.read_events(rt.cgroup)["frozen"] == 1
+        else:
+            assert all(proctree.proc_state(p) == "T" for p in pids)
+        sizes = {p: p.stat().st_size for p in tmp_path.glob("t.*")}
+        await asyncio.sleep(0.5)
+        assert {p: p.stat().st_size for p in tmp_path.glob("t.*")} == sizes, "ran while frozen"
+        assert all(alive(p) for p in pids), "memory kept: every process still exists"
+        await sup.resume_agent("tick")
+        assert rt.state is AgentState.RUNNING
+        if isolation == "cgroup":
+            assert cgroups.read_events(rt.cgroup)["frozen"] == 0
+        await wait_for(lambda: any(p.stat().st_size > sizes.get(p, 0)
+                                   for p in tmp_path.glob("t.*")), what="progress after resume")
+        frozen = kinds(sup, "agent.frozen", "tick")
+        assert frozen and frozen[0].data["via"] == isolation and frozen[0].reason == "test freeze"
+
+
+async def test_frozen_agent_is_never_restarted(tmp_path: Path) -> None:
+    text = "agents:\n  a: {cmd: [sleep, '1000'], restart: always}\n"
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["a"]
+        await sup.freeze_agent("a", "hold")
+        pid = rt.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # someone kills it while frozen
+        await wait_for(lambda: rt.pid is None, what="exit")
+        await asyncio.sleep(0.3)
+        assert rt.state is AgentState.EXITED and rt.restarts == 0
+
+
+async def test_restart_backoff_then_start_limit(tmp_path: Path) -> None:
+    text = ("agents:\n  crash:\n    cmd: [sh, -c, 'echo boom; exit 3']\n"
+            "    backoff: {initial: 0.05s, factor: 2, max: 0.2s, jitter: 0}\n"
+            "    start_limit: {burst: 4, interval: 60s}\n")
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["crash"]
+        await wait_for(lambda: rt.state is AgentState.FAILED, what="failed")
+        assert rt.restarts == 3 and rt.exit_code == 3
+        delays = [e.data["delay"] for e in kinds(sup, "agent.state", "crash")
+                  if e.data["to"] == "backoff"]
+        assert delays == [0.05, 0.1, 0.2]  # exponential, capped at max
+        assert "start limit hit: 4 exits in 60s" in rt.reason
+        assert "boom" in "\n".join(rt.log.lines(50))
+
+
+async def test_backoff_has_jitter_and_resets_after_a_stable_run(tmp_path: Path) -> None:
+    from fleettop.supervisor.agent import backoff_delay
+
+    spec = fleet_of(tmp_path, "agents:\n  a: {cmd: x, backoff: {initial: 1s, max: 8s}}\n"
+                    ).agents["a"]
+    samples = {round(backoff_delay(spec, 2), 3) for _ in range(50)}
+    assert len(samples) > 10 and all(3.2 <= s <= 4.8 for s in samples)
+    assert all(backoff_delay(spec, 20) <= 8.0 for _ in range(50))
+    text = ("agents:\n  flaky:\n    cmd: [sh, -c, 'sleep 0.3; exit 1']\n"
+            "    backoff: {initial: 0.05s, jitter: 0, reset_after: 0.2s}\n"
+            "    start_limit: {burst: 2, interval: 60s}\n")
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["flaky"]
+        await wait_for(lambda: rt.restarts >= 3, what="3 restarts")
+        # Each run outlived reset_after, so the attempt count and the start limit reset.
+        assert rt.state is not AgentState.FAILED
+        delays = [e.data["delay"] for e in kinds(sup, "agent.state", "flaky")
+                  if e.data["to"] == "backoff"]
+        assert set(delays) == {0.05}
+
+
+async def test_restart_policies(tmp_path: Path) -> None:
+    text = ("agents:\n  ok-no: {cmd: 'true', restart: no}\n"
+            "  ok-onfail: {cmd: 'true'}\n"
+            "  ok-always: {cmd: 'true', restart: always, backoff: {initial: 0.05s}}\n")
+    async for sup in running(tmp_path, text):
+        await wait_for(lambda: sup.agents["ok-always"].restarts >= 2, what="always restarts")
+        assert sup.agents["ok-no"].state is AgentState.EXITED
+        assert sup.agents["ok-onfail"].state is AgentState.EXITED
+        assert sup.agents["ok-onfail"].exit_code == 0
+
+
+async def test_depends_on_orders_start_and_reverses_stop(tmp_path: Path) -> None:
+    text = ("agents:\n  web: {cmd: [sleep, '100'], depends_on: [api]}\n"
+            "  api: {cmd: [sleep, '100'], depends_on: [db]}\n"
+            "  db: {cmd: [sleep, '100']}\n")
+    sup = Supervisor(fleet_of(tmp_path, text))
+    await sup.start()
+    await sup.shutdown()
+    started = [e.agent for e in kinds(sup, "agent.state") if e.data["to"] == "running"]
+    stopped = [e.agent for e in kinds(sup, "agent.state") if e.data["to"] == "stopped"]
+    assert started == ["db", "api", "web"]
+    assert stopped == ["web", "api", "db"]
+
+
+async def test_stop_escalates_to_sigkill_for_the_whole_tree(tmp_path: Path) -> None:
+    stubborn = ("import signal,os,time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)"
+                "\nos.fork()\ntime.sleep(1000)")
+    text = {"agents": {"stubborn": {"cmd": [PY, "-c", stubborn], "stop_timeout": "0.5s"}}}
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["stubborn"]
+        await wait_for(lambda: len(rt.pids()) >= 2, what="fork")
+        pids = rt.pids()
+        await sup.stop_agent("stubborn")
+        assert rt.state is AgentState.STOPPED
+        assert kinds(sup, "agent.kill", "stubborn")
+        await wait_for(lambda: not any(alive(p) for p in pids), 5, "tree gone")
+
+
+async def test_cron_run_still_going_is_skipped_not_stacked(tmp_path: Path) -> None:
+    # croniter's sixth field is seconds: due every second, each run takes ~2.5 s.
+    text = ("agents:\n  batch:\n    cmd: [sh, -c, 'echo run; sleep 2.5']\n"
+            "    schedule: '* * * * * *'\n")
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["batch"]
+        assert rt.state is AgentState.SCHEDULED and rt.next_run is not None
+        await wait_for(lambda: len(kinds(sup, "agent.skipped", "batch")) >= 1, 8, "skip")
+        runs = [e for e in kinds(sup, "agent.state", "batch") if e.data["to"] == "running"]
+        assert len(runs) == 1  # the skipped slot did not start a second, stacked run
+        assert "previous run still running" in kinds(sup, "agent.skipped", "batch")[0].reason
+        await wait_for(lambda: rt.state is AgentState.SCHEDULED and rt.exit_code == 0, 8,
+                       "back to scheduled")
+
+
+async def test_freeze_an_external_pid(tmp_path: Path) -> None:
+    ext = subprocess.Popen(["sleep", "100"])
+    try:
+        async for sup in running(tmp_path, "agents: {}\n"):
+            reply = await sup.command({"cmd": "freeze", "pid": ext.pid})
+            assert reply["ok"] and proctree.proc_state(ext.pid) == "T"
+            snap = sup.snapshot()
+            assert snap["external"][0]["pid"] == ext.pid
+            assert snap["external"][0]["state"] == "frozen"
+            reply = await sup.command({"cmd": "resume", "pid": ext.pid})
+            assert reply["ok"] and proctree.proc_state(ext.pid) == "S"
+            assert (await sup.command({"cmd": "freeze", "pid": 999999}))["ok"] is False
+    finally:
+        ext.kill()
+        ext.wait()
+
+
+async def test_log_rotation_and_tail(tmp_path: Path) -> None:
+    script = "for i in $(seq 1 400); do echo line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; done"
+    text = (f"agents:\n  chatty:\n    cmd: \"{script}\"\n    shell: true\n    restart: no\n"
+            "    log: {max_bytes: 4KiB, backups: 2, tail_lines: 50}\n")
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["chatty"]
+        await wait_for(lambda: rt.state is AgentState.EXITED, what="exit")
+        path = rt.log.path
+        rotated = sorted(path.parent.glob(path.name + ".*"))
+        assert [p.name for p in rotated] == [path.name + ".1", path.name + ".2"]
+        assert all(p.stat().st_size <= 4096 for p in [path, *rotated])
+        assert not path.with_name(path.name + ".3").exists()
+        tail = rt.log.lines(50)
+        assert any("line-400-" in line for line in tail)
+        assert "line-1-" not in "\n".join(tail)
+
+
+@needs_cgroups
+async def test_memory_limit_applied_where_the_controller_exists(tmp_path: Path) -> None:
+    text = "agents:\n  capped: {cmd: [sleep, '100'], limits: {memory: 64MiB}}\n"
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["capped"]
+        tree = sup.cgroup_tree
+        assert tree is not None and rt.cgroup is not None
+        if "memory" in tree.controllers:
+            assert (rt.cgroup / "memory.max").read_text().strip() == str(64 * 1024**2)
+        else:
+            warn = [e.reason for e in kinds(sup, "agent.warning", "capped")]
+            assert any("limits.memory not enforced" in w for w in warn), warn
+
+
+@needs_cgroups
+async def test_leftover_cgroup_of_a_dead_fleettop_is_cleaned(tmp_path: Path) -> None:
+    mount = cgroups.find_v2_mount()
+    assert mount is not None
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = mount / cgroups.BASE_NAME / f"ghost-0000.{dead.pid}"
+    (stale / "agent").mkdir(parents=True)
+    orphan = subprocess.Popen(["sleep", "100"])
+    (stale / "agent" / "cgroup.procs").write_text(str(orphan.pid))
+    async for sup in running(tmp_path, "agents: {}\n"):
+        assert not stale.exists()
+        assert orphan.wait(timeout=5) == -signal.SIGKILL
+        assert kinds(sup, "fleet.cleanup")
+
+
+async def test_state_machine_rejects_illegal_transitions(tmp_path: Path) -> None:
+    from fleettop.supervisor.agent import AgentRuntime, IllegalTransition
+
+    rt = AgentRuntime(fleet_of(tmp_path, "agents:\n  a: {cmd: x}\n").agents["a"])
+    with pytest.raises(IllegalTransition):
+        rt.transition(AgentState.FROZEN, "cannot freeze what never ran")
+    rt.transition(AgentState.STARTING, "go")
+    rt.transition(AgentState.RUNNING, "up")
+    assert rt.state is AgentState.RUNNING and rt.reason == "up"
+
+
+async def test_unstartable_command_fails_with_reason(tmp_path: Path) -> None:
+    text = "agents:\n  ghost: {cmd: [/nonexistent/agent]}\n"
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["ghost"]
+        assert rt.state is AgentState.FAILED
+        assert "cannot start" in rt.reason and "nonexistent" in rt.reason
