@@ -5,8 +5,9 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-from fleettop.supervisor.units import parse_duration
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from fleettop.supervisor.units import parse_duration
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765

@@ -41,9 +41,10 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from aiohttp import WSMsgType, web
-from fleettop.supervisor.sections_serve import DEFAULT_HOST, DEFAULT_PORT, is_loopback
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from fleettop.supervisor.sections_serve import DEFAULT_HOST, DEFAULT_PORT, is_loopback
 
 log = logging.getLogger("fleettop.serve")
 

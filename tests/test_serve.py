@@ -12,10 +12,14 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
 from fleettop.supervisor.sections_serve import ServeSection, is_loopback
 from fleettop.supervisor.serve import (
     SCHEMA_VERSION,
@@ -23,9 +27,6 @@ from fleettop.supervisor.serve import (
     parse_serve_address,
     snapshot_delta,
 )
-from prometheus_client.parser import text_string_to_metric_families
-from pydantic import ValidationError
-
 from tests.fake_serve_fleet import FakeFleetClient
 
 REFRESH = 0.3
@@ -381,3 +382,45 @@ def test_serve_never_imports_textual() -> None:
     out = subprocess.run([sys.executable, "-c", "import json; " + code], check=True,
                          capture_output=True, text=True).stdout
     assert json.loads(out) == []
+
+
+# -- against the real supervisor ------------------------------------------------------------
+
+async def test_real_supervisor_stream_metrics_and_freeze(tmp_path: Path) -> None:
+    from fleettop.supervisor.agent import AgentState
+    from fleettop.supervisor.client import InProcessClient
+    from fleettop.supervisor.config import parse_fleet
+    from fleettop.supervisor.fleet import Supervisor
+
+    sleeper = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"]
+    text = json.dumps({"agents": {"alpha": {"cmd": sleeper}, "beta": {"cmd": sleeper}}})
+    (tmp_path / "fleet.yaml").write_text(text)
+    sup = Supervisor(parse_fleet(text, str(tmp_path / "fleet.yaml")), use_cgroups=False)
+    await sup.start()
+    server = MetricsServer(refresh_s=REFRESH)
+    try:
+        for _ in range(300):
+            if all(rt.state is AgentState.RUNNING for rt in sup.agents.values()):
+                break
+            await asyncio.sleep(0.05)
+        await server.start(InProcessClient(sup), port=0)
+        auth = {"Authorization": f"Bearer {server.token}"}
+        async with aiohttp.ClientSession() as http, http.ws_connect(server.url + "ws") as ws:
+            first = await ws.receive_json(timeout=5)
+            assert {a["name"] for a in first["state"]["agents"]} == {"alpha", "beta"}
+            async with http.post(server.url + "api/agents/beta/freeze", headers=auth) as r:
+                assert r.status == 200, await r.text()
+            ev = await receive_until(ws, lambda m: m["type"] == "event"
+                                     and m["event"]["kind"] == "agent.frozen", REFRESH + 1)
+            assert ev["event"]["agent"] == "beta"
+            delta = await receive_until(ws, lambda m: m["type"] == "delta"
+                                        and "beta" in m.get("agents", {}), 2 * REFRESH + 1)
+            assert delta["agents"]["beta"]["state"] == "frozen"
+            async with http.get(server.url + "metrics") as r:
+                fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
+            state = {(s.labels["agent"], s.labels["state"]): s.value
+                     for s in fams["fleettop_agent_state"].samples}
+            assert state[("beta", "frozen")] == 1 and state[("alpha", "running")] == 1
+    finally:
+        await server.stop()
+        await sup.shutdown()

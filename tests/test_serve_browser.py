@@ -26,8 +26,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fleettop.supervisor.serve import MetricsServer
 
+from fleettop.supervisor import cgroups
+from fleettop.supervisor.serve import MetricsServer
+from tests.conftest import needs_cgroups
 from tests.fake_serve_fleet import FakeFleetClient
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -216,3 +218,39 @@ async def test_page_shows_agents_and_freezes_one_in_chromium() -> None:
         assert (ARTIFACTS / "serve.png").stat().st_size > 10_000
     finally:
         await server.stop()
+
+
+SLEEPER = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"]
+
+
+@needs_cgroups
+async def test_page_freezes_a_real_agent_and_its_cgroup_shows_frozen(tmp_path: Path) -> None:
+    from fleettop.supervisor.agent import AgentState
+    from fleettop.supervisor.client import InProcessClient
+    from fleettop.supervisor.config import parse_fleet
+    from fleettop.supervisor.fleet import Supervisor
+
+    text = json.dumps({"agents": {name: {"cmd": SLEEPER} for name in ("alpha", "beta")}})
+    (tmp_path / "fleet.yaml").write_text(text)
+    sup = Supervisor(parse_fleet(text, str(tmp_path / "fleet.yaml")))
+    await sup.start()
+    server = MetricsServer(refresh_s=0.3)
+    try:
+        deadline = time.monotonic() + 15
+        while any(rt.state is not AgentState.RUNNING for rt in sup.agents.values()):
+            assert time.monotonic() < deadline, "agents never started"
+            await asyncio.sleep(0.05)
+        beta = sup.agents["beta"]
+        if beta.cgroup is None:
+            pytest.skip(f"no cgroup for the agent: {sup.cgroup_reason}")
+        await server.start(InProcessClient(sup), port=0)
+        async with chromium_page(server.url) as page:
+            await page.until(f"{row('alpha')} !== null && {row('beta')} !== null", "both agents")
+            await freeze_through_the_page(
+                page, "beta", server.token,
+                lambda: cgroups.read_events(beta.cgroup)["frozen"] == 1)
+            assert sup.agents["alpha"].state is AgentState.RUNNING
+            await page.screenshot(ARTIFACTS / "serve-real.png")
+    finally:
+        await server.stop()
+        await sup.shutdown()
