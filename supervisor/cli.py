@@ -15,8 +15,13 @@ from fleettop.supervisor import control, paths, units
 from fleettop.supervisor.config import Fleet, FleetError, load_fleet
 
 DEFAULT_FILE = "fleet.yaml"
-# Subcommands that live in their capability's module: (name, module, help).
-PLUGIN_COMMANDS: list[tuple[str, str, str]] = []
+# Subcommands that live in their capability's module: each module's add_parser(subparsers)
+# adds its parser and sets `func` to its run(args) -> int.
+PLUGIN_MODULES = {
+    "doctor": "fleettop.supervisor.doctor",
+    "lock": "fleettop.supervisor.lock_cli",
+    "route": "fleettop.supervisor.router",
+}
 
 
 def _add_file_opt(p: argparse.ArgumentParser) -> None:
@@ -85,11 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run one of the bundled demo agents", add_help=False)
     demo.add_argument("args", nargs=argparse.REMAINDER)
 
-    for name, module, text in PLUGIN_COMMANDS:
-        mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=text)
-        mod.add_parser(p)
-        p.set_defaults(plugin=mod)
+    for module in PLUGIN_MODULES.values():
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 
@@ -111,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ui(args)
         if args.command == "ctl":
             return cmd_ctl(args)
-        if getattr(args, "plugin", None) is not None:
-            return int(args.plugin.run(args))
+        if getattr(args, "func", None) is not None:
+            return int(args.func(args) or 0)
     except control.ControlError as exc:
         print(f"fleettop: {exc}", file=sys.stderr)
         return 1
@@ -123,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _subcommands() -> set[str]:
-    return {"ui", "run", "check", "ctl", "mock-llm", "demo", "help"} | {
-        name for name, _, _ in PLUGIN_COMMANDS}
+    return {"ui", "run", "check", "ctl", "mock-llm", "demo", "help", *PLUGIN_MODULES}
 
 
 def _passthrough(name: str, rest: list[str]) -> int:

@@ -51,9 +51,11 @@ class InProcessClient:
 class SocketClient:
     """A viewer attached to a running supervisor over its control socket."""
 
-    def __init__(self, socket_path: Path, readonly: bool = False) -> None:
+    def __init__(self, socket_path: Path, readonly: bool = False,
+                 allow_shutdown: bool = True) -> None:
         self.path = socket_path
         self.readonly = readonly
+        self.allow_shutdown = allow_shutdown
         self._lock = asyncio.Lock()
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
@@ -87,6 +89,8 @@ class SocketClient:
 
         if self.readonly and req.get("cmd") in MUTATING:
             return {"ok": False, "error": "read-only mode"}
+        if req.get("cmd") == "shutdown" and not self.allow_shutdown:
+            return {"ok": True, "ignored": "a viewer leaves the fleet running"}
         return await self._request(req)
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:

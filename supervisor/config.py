@@ -101,8 +101,10 @@ class AgentSpec(Strict):
     proxy: bool = True
     """Route this agent's HTTP(S) through fleettop's token proxy."""
     base_url: str | None = None
-    gpu: Literal["exclusive", "shared", "none"] = "none"
-    breaker: dict[str, Any] | None = None
+    gpu: sections.GpuMode = "none"
+    """exclusive: hold the GPU lock for the whole run; shared: the proxy serialises requests."""
+    breaker: sections.AgentBreakerSection | None = None  # type: ignore[valid-type]
+    """Per-agent overrides of the fleet's `breaker:` thresholds."""
 
     @field_validator("cmd")
     @classmethod
@@ -332,6 +334,10 @@ def parse_fleet(text: str, file: str = "fleet.yaml") -> Fleet:
 
     if isinstance(agents, dict):
         problems += _dependency_problems(agents, c, file)
+    if fleet is not None:
+        for message in sections.check_routes(fleet.models, fleet.routes):
+            line, col = c.key_marks.get(("routes",), (1, 1))
+            problems.append(Problem(file, line, col, "routes", message))
     if problems:
         problems.sort(key=lambda p: (p.line, p.col))
         raise FleetError(_dedupe(problems))

@@ -56,6 +56,8 @@ class Supervisor:
         """Awaited (if coroutine) before each start; may raise SkipStart to skip this run."""
         self.exit_hooks: list[Callable[[AgentRuntime], Any]] = []
         self.components: dict[str, dict[str, Any]] = {}
+        self.stop_hooks: list[Callable[[], Any]] = []
+        """Awaited after every agent has stopped (proxy, probes, servers shut down here)."""
         self.externals: dict[int, dict[str, Any]] = {}
         self.events: deque[Event] = deque(maxlen=2000)
         self._subscribers: list[asyncio.Queue[Event]] = []
@@ -100,9 +102,12 @@ class Supervisor:
         with contextlib.suppress(ValueError):
             self._subscribers.remove(q)
 
-    def _set_state(self, rt: AgentRuntime, new: AgentState, reason: str, **data: Any) -> None:
+    def set_state(self, rt: AgentRuntime, new: AgentState, reason: str, **data: Any) -> None:
+        """Move an agent through its state machine; every transition is an event."""
         old = rt.transition(new, reason)
         self.emit("agent.state", rt.name, reason, **{"from": old.value, "to": new.value}, **data)
+
+    _set_state = set_state
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -163,6 +168,9 @@ class Supervisor:
             self._spawn(rt)
         except Exception as exc:  # noqa: BLE001 - any spawn failure is reported, not raised
             rt.pid = None
+            for hook in self.exit_hooks:  # e.g. give back a GPU lock taken for this start
+                with contextlib.suppress(Exception):
+                    hook(rt)
             self._set_state(rt, AgentState.FAILED, f"cannot start: {exc}")
             return
         self._set_state(rt, AgentState.RUNNING, why, pid=rt.pid, run=rt.run_id)
@@ -604,6 +612,13 @@ class Supervisor:
                     asyncio.get_running_loop().remove_reader(fd)
                     os.close(fd)
         self._pipes.clear()
+        for stop in reversed(self.stop_hooks):
+            try:
+                result = stop()
+                if asyncio.iscoroutine(result):
+                    await asyncio.wait_for(result, 10.0)
+            except Exception as exc:  # noqa: BLE001 - one stuck part must not keep the rest
+                self.emit("fleet.warning", None, f"a component did not stop cleanly: {exc!r}")
         if self.cgroup_tree is not None:
             self.cgroup_tree.destroy()
         if self.reaper is not None:
@@ -661,7 +676,7 @@ class Supervisor:
             "agents": [self.agent_status(rt) for rt in self.agents.values()],
             "external": [dict(v) for v in self.externals.values()],
             "events": [e.to_json() for e in list(self.events)[-200:]],
-            "components": list(self.components.values()),
+            "components": [{"name": k, **v} for k, v in self.components.items()],
         }
         for hook in self.snapshot_hooks:
             with contextlib.suppress(Exception):

@@ -117,8 +117,8 @@ async def run_fleet(fleet: Fleet, frontend: Frontend, *, duration: float | None 
         waits = [asyncio.create_task(sup.shutdown_requested.wait()), front]
         done, _ = await asyncio.wait(waits, timeout=duration,
                                      return_when=asyncio.FIRST_COMPLETED)
-        if front in done and front.exception() is None and front.result():
-            sup.shutdown_mode = str(front.result())
+        if front in done and front.exception() is not None:
+            sup.emit("fleet.warning", None, f"the front end failed: {front.exception()!r}")
         waits[0].cancel()
     finally:
         await sup.shutdown(sup.shutdown_mode)

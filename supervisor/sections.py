@@ -1,58 +1,22 @@
-"""The fleet file's top-level sections, one model per capability.
-
-Each capability fills in its own section; until it does, the section is a permissive mapping
-so fleet files that already carry it keep loading.
-"""
+"""The fleet file's top-level sections, one model per capability, gathered for the schema."""
 
 from __future__ import annotations
 
-from typing import Any
+from fleettop.supervisor.sections_gpu import (
+    GovernorSection,
+    GpuMode,
+    GpuSection,
+    ModelsSection,
+    RoutesSection,
+    check_routes,
+)
+from fleettop.supervisor.sections_probes import LeakSection, ProbesSection
+from fleettop.supervisor.sections_proxy import AgentBreakerSection, BreakerSection, ProxySection
+from fleettop.supervisor.sections_serve import ServeSection
+from fleettop.supervisor.sections_ui import UiSection
 
-from pydantic import BaseModel, ConfigDict
-
-
-class _Reserved(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return (self.model_extra or {}).get(key, default)
-
-
-class ProxySection(_Reserved):
-    pass
-
-
-class BreakerSection(_Reserved):
-    pass
-
-
-class LeakSection(_Reserved):
-    pass
-
-
-class ProbesSection(_Reserved):
-    pass
-
-
-class GpuSection(_Reserved):
-    pass
-
-
-class GovernorSection(_Reserved):
-    pass
-
-
-class ModelsSection(_Reserved):
-    pass
-
-
-class RoutesSection(_Reserved):
-    pass
-
-
-class ServeSection(_Reserved):
-    pass
-
-
-class UiSection(_Reserved):
-    pass
+__all__ = [
+    "AgentBreakerSection", "BreakerSection", "GovernorSection", "GpuMode", "GpuSection",
+    "LeakSection", "ModelsSection", "ProbesSection", "ProxySection", "RoutesSection",
+    "ServeSection", "UiSection", "check_routes",
+]

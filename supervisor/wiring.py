@@ -1,49 +1,99 @@
-"""Which capabilities a running fleet gets, and how the UI is put on top of the supervisor."""
+"""Which capabilities a running fleet gets, and how the UI is put on top of the supervisor.
+
+Each capability hooks itself into the supervisor (env, start, exit, status and snapshot
+hooks) and registers how it stops; the core knows none of them by name.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-from fleettop.supervisor import paths, units
+from fleettop.supervisor import paths
 from fleettop.supervisor.config import Fleet
 from fleettop.supervisor.fleet import Supervisor
 
 Setup = Callable[[Supervisor], Awaitable[None]]
+log = logging.getLogger(__name__)
 
 
 def setup_for(args: argparse.Namespace) -> Setup:
+    telemetry = not getattr(args, "no_telemetry", False)
+
     async def setup(sup: Supervisor) -> None:
-        return None
+        stop = asyncio.Event()
+        sup.stop_hooks.append(stop.set)
+        _gpu(sup, stop)
+        if telemetry:
+            await _telemetry(sup)
 
     return setup
 
 
-def _refresh(args: argparse.Namespace) -> float:
-    return units.parse_duration(getattr(args, "refresh", "1s") or "1s")
+async def _telemetry(sup: Supervisor) -> None:
+    from fleettop.supervisor.telemetry_link import TelemetryLink
+
+    link = TelemetryLink(sup, sup.fleet.probes, sup.fleet.leak)
+    await link.start()
+    sup.stop_hooks.append(link.stop)
+
+
+def _gpu(sup: Supervisor, stop: asyncio.Event) -> None:
+    from fleettop.supervisor.evictor import Evictor, NvmlMemory, read_activity
+    from fleettop.supervisor.governor import Governor, Sampler
+    from fleettop.supervisor.gpu_link import GpuLink
+
+    section = sup.fleet.gpu
+    GpuLink.install(sup, section)
+    gpu = NvmlMemory.open()
+    evictor = None
+    if gpu is not None and section.evict and section.backends:
+        activity = sup.state_dir / "gpu-activity.json"
+        evictor = Evictor.from_config(gpu, section, emit=sup.emit,
+                                      activity=lambda: read_activity(activity))
+        sup._spawn_task(evictor.run(stop))
+    if sup.fleet.governor.enabled:
+        sampler = Sampler("/", gpu=gpu,
+                          cgroups=lambda: {n: rt.cgroup for n, rt in sup.agents.items()})
+        governor = Governor(sampler, sup.fleet.governor, supervisor=sup, evictor=evictor,
+                            state_path=sup.state_dir / "governor.json")
+        sup._spawn_task(governor.run(stop))
+
+
+def _refresh(fleet: Fleet, args: argparse.Namespace) -> float:
+    from fleettop.supervisor import units
+
+    given = getattr(args, "refresh", None)
+    return units.parse_duration(given) if given else float(fleet.ui.refresh)
 
 
 def run_with_ui(fleet: Fleet, args: argparse.Namespace) -> int:
     from fleettop.supervisor.client import InProcessClient
     from fleettop.supervisor.runner import run_fleet
-    from fleettop.tui.app import FleettopApp
+    from fleettop.tui.app import run_app_async
+
+    readonly = bool(args.readonly or fleet.ui.readonly)
 
     async def frontend(sup: Supervisor) -> str | None:
-        app = FleettopApp(InProcessClient(sup, readonly=args.readonly),
-                          readonly=args.readonly, refresh_s=_refresh(args),
-                          keymap=dict(fleet.ui.get("keys", {}) or {}))
-        result: Any = await app.run_async()
-        return result if isinstance(result, str) else "stop"
+        # Quitting the UI stops the fleet; the quit dialog's choice for frozen agents
+        # arrives first as a `shutdown` command and sets sup.shutdown_mode.
+        await run_app_async(InProcessClient(sup, readonly=readonly), readonly=readonly,
+                            refresh_s=_refresh(fleet, args), keymap=dict(fleet.ui.keys))
+        return None
 
     return asyncio.run(run_fleet(fleet, frontend, setup=setup_for(args)))
 
 
 def attach_viewer(fleet: Fleet, args: argparse.Namespace) -> int:
+    """A second `fleettop FILE` on a running fleet: a viewer over the control socket."""
     from fleettop.supervisor.client import SocketClient
     from fleettop.tui.app import run_app
 
-    client = SocketClient(paths.socket_path(fleet.path), readonly=args.readonly)
-    run_app(client, readonly=args.readonly, refresh_s=_refresh(args))
-    return 0
+    readonly = bool(args.readonly or fleet.ui.readonly)
+    # A viewer may freeze and resume, but quitting it never shuts the fleet down.
+    client = SocketClient(paths.socket_path(fleet.path), readonly=readonly,
+                          allow_shutdown=False)
+    return int(run_app(client, readonly=readonly, refresh_s=_refresh(fleet, args),
+                       keymap=dict(fleet.ui.keys)) or 0)
