@@ -182,8 +182,8 @@ class SnapshotCollector:
 
         per_state = Counter(str(a.get("state")) for a in agents)
         g = GaugeMetricFamily("fleettop_agents", "Agents by state.", labels=["state"])
-        for state in sorted(set(AGENT_STATES) | set(per_state)):
-            g.add_metric([state], per_state.get(state, 0))
+        for name in sorted(set(AGENT_STATES) | set(per_state)):
+            g.add_metric([name], per_state.get(name, 0))
         yield g
 
         state = GaugeMetricFamily("fleettop_agent_state",
@@ -243,8 +243,8 @@ class SnapshotCollector:
         for a in agents:
             own = a.get("trips")
             if isinstance(own, dict):
-                for kind in [k for k in counted if k[0] == a["name"]]:
-                    del counted[kind]
+                for stale in [k for k in counted if k[0] == a["name"]]:
+                    del counted[stale]
                 for kind, n in own.items():
                     if _num(n) is not None:
                         counted[(a["name"], str(kind))] = float(n)
@@ -442,8 +442,7 @@ class MetricsServer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        for conn in list(self._conns):
-            await self._close(conn)
+        await asyncio.gather(*(self._close(conn) for conn in list(self._conns)))
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -485,6 +484,8 @@ class MetricsServer:
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_s)
+            if not self._conns:
+                continue  # nobody to send deltas to; a new viewer refreshes on connect
             try:
                 await self._refresh()
             except asyncio.CancelledError:
