@@ -44,7 +44,7 @@ from aiohttp import WSMsgType, web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from fleettop.supervisor.sections_serve import DEFAULT_HOST, DEFAULT_PORT, is_loopback
+from fleettop.supervisor.sections_serve import DEFAULT_HOST, DEFAULT_PORT, ServeSection, is_loopback
 
 log = logging.getLogger("fleettop.serve")
 
@@ -725,6 +725,34 @@ class MetricsServer:
                 self._conns.discard(conn)
             conn.task.cancel()
         return ws
+
+
+async def start_serving(client: FleetClient, section: ServeSection | None = None,
+                        address: str | None = None, *, readonly: bool = False,
+                        allow_remote: bool = False) -> MetricsServer | None:
+    """The fleet file's `serve:` merged with `--serve [HOST:PORT]`; None when neither asks.
+
+    `address` is None when `--serve` was not given and "" when it was given bare (then the
+    file's host and port apply). `readonly`/`allow_remote` add to the file's settings.
+    Raises ValueError for a non-loopback host without allow_remote, OSError if the port is
+    taken.
+    """
+    section = section or ServeSection()
+    if address is None and not section.enabled:
+        return None
+    host, port = parse_serve_address(address, section.host, section.port)
+    server = MetricsServer(refresh_s=section.refresh)
+    await server.start(client, host=host, port=port, readonly=readonly or section.readonly,
+                       allow_remote=allow_remote or section.allow_remote)
+    return server
+
+
+def banner(server: MetricsServer) -> str:
+    """The line to print at start. Holds the token: print it to the terminal/journal only,
+    never put it in the snapshot (that is served to everyone who can read)."""
+    if server.readonly:
+        return f"serve: {server.url}  (read-only)"
+    return f"serve: {server.url}  token: {server.token}"
 
 
 def _write_buffer(conn: _Conn) -> int:

@@ -24,8 +24,10 @@ from fleettop.supervisor.sections_serve import ServeSection, is_loopback
 from fleettop.supervisor.serve import (
     SCHEMA_VERSION,
     MetricsServer,
+    banner,
     parse_serve_address,
     snapshot_delta,
+    start_serving,
 )
 from tests.fake_serve_fleet import FakeFleetClient
 
@@ -361,6 +363,27 @@ def test_serve_section() -> None:
     for bad in ({"host": "0.0.0.0"}, {"prot": 1}, {"port": 70000}, {"refresh": "1y"}):
         with pytest.raises(ValidationError):
             ServeSection(**bad)
+
+
+async def test_start_serving_merges_file_and_flag() -> None:
+    client = FakeFleetClient(1)
+    assert await start_serving(client, ServeSection(), None) is None  # nobody asked
+    server = await start_serving(client, ServeSection(port=0, readonly=True), "")
+    assert server is not None
+    try:
+        assert server.readonly and server.host == "127.0.0.1" and server.port > 0
+        assert banner(server) == f"serve: {server.url}  (read-only)"
+    finally:
+        await server.stop()
+    server = await start_serving(client, ServeSection(enabled=True, port=0, refresh="2s"))
+    assert server is not None
+    try:
+        assert server.refresh_s == 2.0 and not server.readonly
+        assert server.token in banner(server)
+    finally:
+        await server.stop()
+    with pytest.raises(ValueError, match="allow_remote"):
+        await start_serving(client, ServeSection(), "0.0.0.0:0")
 
 
 def test_parse_serve_address() -> None:
