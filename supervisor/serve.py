@@ -141,6 +141,16 @@ def snapshot_delta(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+SECRET_KEYS = ("serve_token",)
+"""Top-level keys never served: a `ctl status` reply may carry the token, the web may not."""
+
+
+def _public(snap: dict[str, Any]) -> dict[str, Any]:
+    if any(k in snap for k in SECRET_KEYS):
+        snap = {k: v for k, v in snap.items() if k not in SECRET_KEYS}
+    return snap
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), default=str)
 
@@ -470,7 +480,7 @@ class MetricsServer:
         async with self._poll_lock:
             # A private copy, normalised as clients will see it: a supervisor may hand out
             # live dicts that it mutates in place, which would make every diff empty.
-            snap = json.loads(_dumps(await self.client.snapshot()))
+            snap = json.loads(_dumps(_public(await self.client.snapshot())))
             if not self._base:
                 for ev in (snap.get("events") or [])[-200:]:
                     self._seq += 1
@@ -667,7 +677,7 @@ class MetricsServer:
 
     async def _state_handler(self, request: web.Request) -> web.Response:
         assert self.client is not None
-        snap = await self.client.snapshot()
+        snap = _public(await self.client.snapshot())
         return web.Response(text=_dumps({"schema_version": SCHEMA_VERSION, "state": snap}),
                             content_type="application/json",
                             headers={"Cache-Control": "no-store"})

@@ -329,6 +329,26 @@ async def test_foreign_host_and_cross_origin_are_refused(served):
             assert (await ws.receive_json(timeout=5))["type"] == "snapshot"
 
 
+async def test_the_token_is_never_served(served):
+    client, server = served
+    original = client.snapshot
+
+    async def leaky() -> dict[str, Any]:  # a status reply used as a snapshot
+        return {**(await original()), "serve_token": server.token}
+
+    client.snapshot = leaky  # type: ignore[method-assign]
+    async with aiohttp.ClientSession() as http:
+        for path in ("api/state", "metrics"):
+            async with http.get(server.url + path) as r:
+                assert server.token not in await r.text()
+        await asyncio.sleep(REFRESH)  # so the connect takes a fresh (leaky) snapshot
+        calls = client.snapshot_calls
+        async with http.ws_connect(server.url + "ws") as ws:
+            msg = await ws.receive(timeout=5)
+            assert server.token not in msg.data
+        assert client.snapshot_calls > calls
+
+
 async def test_page_is_self_contained(served):
     _, server = served
     async with aiohttp.ClientSession() as http, http.get(server.url) as r:
