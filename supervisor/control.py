@@ -82,7 +82,7 @@ class ControlServer:
     async def _follow(self, writer: asyncio.StreamWriter, backlog: int) -> None:
         q = self.sup.subscribe()
         try:
-            for event in list(self.sup.events)[-backlog:]:
+            for event in list(self.sup.events)[-backlog:] if backlog > 0 else []:
                 await _send(writer, event.to_json())
             while True:
                 event = await q.get()
