@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("file", nargs="?", default=DEFAULT_FILE)
     ui.add_argument("--readonly", action="store_true", help="no mutating actions")
     ui.add_argument("--refresh", default="1s", help="UI refresh interval (default 1s)")
-    ui.add_argument("--serve", nargs="?", const="127.0.0.1:8765", metavar="HOST:PORT",
-                    help="also serve /ws, /metrics and the web view")
+    ui.add_argument("--serve", nargs="?", const="", metavar="HOST:PORT",
+                    help="also serve /ws, /metrics and the web view (default: serve: in FILE)")
 
     run = sub.add_parser("run", help="run a fleet (use --headless on servers)")
     run.add_argument("file", nargs="?", default=DEFAULT_FILE)
@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--events", choices=("json", "text"), default="json")
     run.add_argument("--readonly", action="store_true",
                      help="the control socket refuses mutating commands")
-    run.add_argument("--serve", nargs="?", const="127.0.0.1:8765", metavar="HOST:PORT")
+    run.add_argument("--serve", nargs="?", const="", metavar="HOST:PORT",
+                     help="serve /ws, /metrics and the web view (default: serve: in FILE)")
 
     check = sub.add_parser("check", help="validate fleet files; exit 2 with FILE:LINE:COL errors")
     check.add_argument("files", nargs="*", default=[DEFAULT_FILE])
@@ -188,6 +189,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except AlreadyRunning as exc:
         print(f"fleettop: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, OSError) as exc:  # e.g. --serve on a port that is taken
+        print(f"fleettop: {exc}", file=sys.stderr)
+        return 1
 
 
 def _capabilities(args: argparse.Namespace) -> Any:
@@ -289,8 +293,12 @@ def _print_status(snap: dict[str, Any]) -> None:
                  else f"process groups ({fleet['isolation_reason']})")
     print(f"fleet {fleet['name']} ({fleet['file']}), supervisor pid {fleet['pid']}, "
           f"isolation: {isolation}")
+    if snap.get("serve_token"):
+        print(f"web view token: {snap['serve_token']}")
     for comp in snap.get("components", []):
-        print(f"component {comp.get('name')}: {comp.get('state')} {comp.get('detail', '')}")
+        state = comp.get("state") or comp.get("source") or "?"
+        detail = comp.get("detail") or comp.get("why") or ""
+        print(f"component {comp.get('name')}: {state} {detail}".rstrip())
     header = f"{'NAME':<16} {'STATE':<10} {'PID':>7} {'CPU%':>6} {'RSS':>9} {'SRC':<6} REASON"
     print(header)
     for a in snap["agents"]:

@@ -24,7 +24,10 @@ async def dispatch(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
     name = req.get("name")
     try:
         if cmd == "status":
-            return {"ok": True, **sup.snapshot()}
+            # The web token is for the socket's owner only: never part of the snapshot,
+            # which the web view serves to anyone who can read it.
+            token = getattr(sup, "serve_token", None)
+            return {"ok": True, **sup.snapshot(), **({"serve_token": token} if token else {})}
         if cmd in ("freeze", "resume"):
             pid = _pid(req)
             reason = str(req.get("reason") or f"{cmd} by {req.get('source', 'user')}")

@@ -76,6 +76,7 @@ class Supervisor:
         self._closing = False
         self.shutdown_requested = asyncio.Event()
         self.shutdown_mode = "stop"
+        self.serve_token: str | None = None
 
     # ---- events -------------------------------------------------------------------------
 
@@ -460,7 +461,7 @@ class Supervisor:
             frozen, via = proctree.wait_stopped(proctree.tree_pids(rt.pid)), "signal"
         latency_ms = (time.perf_counter() - t0) * 1000
         rt.frozen_via = via
-        if evidence is not None or source != "user":
+        if evidence is not None or source not in ("user", "web"):
             rt.trip = {"kind": source, "reason": reason, "evidence": evidence or {}}
         self._set_state(rt, AgentState.FROZEN, reason, source=source, via=via)
         self.emit("agent.frozen", name, reason, source=source, via=via, pids=rt.pids(),

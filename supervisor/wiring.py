@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 
 from fleettop.supervisor import paths
@@ -28,6 +29,7 @@ def setup_for(args: argparse.Namespace) -> Setup:
         _gpu(sup, stop)
         if telemetry:
             await _telemetry(sup)
+        await _serve(sup, args)
 
     return setup
 
@@ -38,6 +40,21 @@ async def _telemetry(sup: Supervisor) -> None:
     link = TelemetryLink(sup, sup.fleet.probes, sup.fleet.leak)
     await link.start()
     sup.stop_hooks.append(link.stop)
+
+
+async def _serve(sup: Supervisor, args: argparse.Namespace) -> None:
+    from fleettop.supervisor.client import InProcessClient
+    from fleettop.supervisor.serve import banner, start_serving
+
+    readonly = bool(getattr(args, "readonly", False))
+    server = await start_serving(InProcessClient(sup, readonly=readonly), sup.fleet.serve,
+                                 getattr(args, "serve", None), readonly=readonly)
+    if server is None:
+        return
+    sup.stop_hooks.append(server.stop)
+    sup.components["serve"] = {"state": "running", "detail": server.url}
+    sup.serve_token = None if server.readonly else server.token
+    print(banner(server), file=sys.stderr, flush=True)
 
 
 def _gpu(sup: Supervisor, stop: asyncio.Event) -> None:
