@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--events", choices=("json", "text"), default="json")
     run.add_argument("--readonly", action="store_true",
                      help="the control socket refuses mutating commands")
+    run.add_argument("--no-telemetry", action="store_true",
+                     help="no eBPF/procfs sampling (CPU%% and RSS still come on request)")
     run.add_argument("--serve", nargs="?", const="", metavar="HOST:PORT",
                      help="serve /ws, /metrics and the web view (default: serve: in FILE)")
 

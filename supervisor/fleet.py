@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,25 @@ from fleettop.supervisor.reaper import Reaper
 
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# Joining the cgroup, dropping privileges and PR_SET_PDEATHSIG must happen between fork and
+# exec. A Python preexec_fn does that but forces fork() of the whole supervisor and runs
+# Python in the child (~7 ms a spawn); `sh` + util-linux `setpriv` do it after a vfork
+# (~1 ms), so 200 agents start in a fraction of the time. preexec_fn stays as the fallback.
+_SETPRIV = shutil.which("setpriv")
+_JOIN_CGROUP = 'echo 0 > "$0" && exec "$@"'
+
+
+def _setpriv_usable() -> bool:
+    if _SETPRIV is None or not os.path.exists("/bin/sh"):
+        return False
+    try:
+        out = subprocess.run([_SETPRIV, "--help"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--pdeathsig" in out.stdout and "--init-groups" in out.stdout
+
+
+SPAWN_VIA_SETPRIV = _setpriv_usable()
 EnvHook = Callable[[AgentSpec, dict[str, str]], None]
 StatusHook = Callable[[str], dict[str, Any]]
 
@@ -262,12 +282,23 @@ class Supervisor:
             if os.getppid() != parent:
                 os._exit(1)
 
+        argv = self._argv(spec)
+        preexec: Callable[[], None] | None = in_child
+        if SPAWN_VIA_SETPRIV:
+            _check_executable(argv[0], env.get("PATH", os.defpath), cwd)
+            shim = [str(_SETPRIV), "--pdeathsig", "KILL"]
+            if uid is not None and gid is not None:
+                shim += ["--reuid", str(uid), "--regid", str(gid), "--init-groups"]
+            argv = [*shim, "--", *argv]
+            if cg_procs:
+                argv = ["/bin/sh", "-c", _JOIN_CGROUP, cg_procs, *argv]
+            preexec = None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             popen = subprocess.Popen(
-                self._argv(spec), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                stdout=out_w, stderr=err_w, start_new_session=True, preexec_fn=in_child,
+                argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                stdout=out_w, stderr=err_w, start_new_session=True, preexec_fn=preexec,
                 close_fds=True,
             )
         finally:
@@ -689,6 +720,16 @@ class Supervisor:
         from fleettop.supervisor.commands import dispatch
 
         return await dispatch(self, req)
+
+
+def _check_executable(cmd: str, path: str, cwd: str | None) -> None:
+    """Fail a start up front, as exec would, when the command can't be run."""
+    if "/" in cmd:
+        full = os.path.join(cwd or ".", cmd)
+        if not os.access(full, os.X_OK) or os.path.isdir(full):
+            raise FileNotFoundError(f"{cmd}: not an executable file")
+    elif shutil.which(cmd, path=path) is None:
+        raise FileNotFoundError(f"{cmd}: command not found on PATH")
 
 
 class SkipStart(Exception):

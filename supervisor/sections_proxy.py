@@ -16,12 +16,15 @@ Defaults were tuned on tests/data (see docs/readme-proxy.md for the corpus numbe
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from fleettop.supervisor.budget import BudgetParams, Price
-from fleettop.supervisor.loops import LoopParams
-from fleettop.supervisor.units import parse_duration, parse_size
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from fleettop.supervisor.units import parse_duration, parse_size
+
+if TYPE_CHECKING:  # the detectors (and numpy) load in the proxy process, not the supervisor
+    from fleettop.supervisor.budget import BudgetParams, Price
+    from fleettop.supervisor.loops import LoopParams
 
 Policy = Literal["warn", "block", "freeze", "kill"]
 
@@ -69,6 +72,8 @@ class ProxySection(_Model):
         return parse_duration(value) if isinstance(value, str) else value
 
     def price_table(self) -> dict[str, Price]:
+        from fleettop.supervisor.budget import Price
+
         return {k: Price(v.input, v.output) for k, v in self.prices.items()}
 
 
@@ -130,6 +135,8 @@ class BreakerSection(_Model):
     budget: BudgetSection = Field(default_factory=BudgetSection)
 
     def loop_params(self) -> LoopParams:
+        from fleettop.supervisor.loops import LoopParams
+
         g, r = self.generation, self.retry
         return LoopParams(
             a_check_every=g.check_every, a_min_period=g.min_period, a_max_period=g.max_period,
@@ -145,6 +152,8 @@ class BreakerSection(_Model):
         )
 
     def budget_params(self) -> BudgetParams:
+        from fleettop.supervisor.budget import BudgetParams
+
         b = self.budget
         return BudgetParams(window=b.window, max_tokens=b.tokens, max_requests=b.requests,
                             max_cost=b.cost, max_rate_per_min=b.rate_per_min)

@@ -43,6 +43,8 @@ async def _telemetry(sup: Supervisor) -> None:
 
 
 async def _serve(sup: Supervisor, args: argparse.Namespace) -> None:
+    if not sup.fleet.serve.enabled and getattr(args, "serve", None) is None:
+        return  # aiohttp and prometheus-client stay unloaded
     from fleettop.supervisor.client import InProcessClient
     from fleettop.supervisor.serve import banner, start_serving
 
@@ -57,16 +59,27 @@ async def _serve(sup: Supervisor, args: argparse.Namespace) -> None:
     print(banner(server), file=sys.stderr, flush=True)
 
 
+def _nvml_present() -> bool:
+    import ctypes.util
+
+    return ctypes.util.find_library("nvidia-ml") is not None
+
+
 def _gpu(sup: Supervisor, stop: asyncio.Event) -> None:
-    from fleettop.supervisor.evictor import Evictor, NvmlMemory, read_activity
     from fleettop.supervisor.governor import Governor, Sampler
     from fleettop.supervisor.gpu_link import GpuLink
 
     section = sup.fleet.gpu
     GpuLink.install(sup, section)
-    gpu = NvmlMemory.open()
+    gpu = None
+    if _nvml_present():  # the watchdog (and aiohttp) only load on a machine with a driver
+        from fleettop.supervisor.evictor import NvmlMemory
+
+        gpu = NvmlMemory.open()
     evictor = None
     if gpu is not None and section.evict and section.backends:
+        from fleettop.supervisor.evictor import Evictor, read_activity
+
         activity = sup.state_dir / "gpu-activity.json"
         evictor = Evictor.from_config(gpu, section, emit=sup.emit,
                                       activity=lambda: read_activity(activity))

@@ -122,7 +122,8 @@ def test_sampler_rates_and_unaccounted(root: Root) -> None:
     cg = root.path / "cg/agent-a"
     cg.mkdir(parents=True)
     (cg / "memory.pressure").write_text(psi(33.0))
-    sampler = Sampler(root.path, cgroups=lambda: {"agent-a": cg, "gone": None}, clock=clock,
+    sampler = Sampler(root.path, rss_every=0, clock=clock,
+                      cgroups=lambda: {"agent-a": cg, "gone": None},
                       gpu=type("G", (), {"read_memory": lambda self: GpuMemory(100, 93)})())
     first = sampler.sample()
     assert "swap_pages_per_s" not in first
@@ -151,8 +152,8 @@ async def test_escalates_at_once_steps_down_after_cooldown_with_hysteresis(root:
     sup = FakeSupervisor()
     state_file = root.path / "governor.json"
     cfg = GovernorSection.model_validate({"cooldown": "30s", "hysteresis": 0.2})
-    gov = Governor(Sampler(root.path, clock=clock), cfg, supervisor=sup, state_path=state_file,
-                   clock=clock)
+    gov = Governor(Sampler(root.path, clock=clock, rss_every=0), cfg, supervisor=sup,
+                   state_path=state_file, clock=clock)
     assert (await gov.step()).level == 0
     root.pressure(memory=psi(45.0))  # ≥ 40 → level 3: shrink, (no evictor), freeze lowest
     state = await gov.step()
@@ -193,7 +194,7 @@ async def test_last_resort_kill_and_protected_agents(root: Root) -> None:
     clock = Clock()
     sup = FakeSupervisor()
     cfg = GovernorSection.model_validate({"protect": ["batch"]})
-    gov = Governor(Sampler(root.path, clock=clock), cfg, supervisor=sup, clock=clock)
+    gov = Governor(Sampler(root.path, clock=clock, rss_every=0), cfg, supervisor=sup, clock=clock)
     root.pressure(memory=psi(90.0, 40.0))
     assert (await gov.step()).level == 4
     assert sup.calls == [("freeze", "normal"), ("stop", "normal")]
@@ -211,7 +212,8 @@ class FakeEvictor:
 async def test_evicts_through_the_watchdog_once_per_cooldown(root: Root) -> None:
     clock = Clock()
     ev = FakeEvictor()
-    gov = Governor(Sampler(root.path, clock=clock), GovernorSection(), evictor=ev, clock=clock)
+    gov = Governor(Sampler(root.path, clock=clock, rss_every=0), GovernorSection(), evictor=ev,
+                   clock=clock)
     await gov.step({"swap_pages_per_s": 2000.0})
     await gov.step({"swap_pages_per_s": 2000.0})
     assert ev.calls == [("governor level 2", True)]
