@@ -58,14 +58,19 @@ def wait(pred, timeout: float = 120.0, step: float = 0.005) -> float:
     return time.perf_counter() - t0
 
 
+_CONNS: dict[Path, socket.socket] = {}
+
+
 def fleettop_request(sock: Path, req: dict) -> dict:
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(str(sock))
+    """One request over a kept-open control connection, as the UI and scripts hold one."""
+    s = _CONNS.get(sock)
+    if s is None:
+        s = _CONNS[sock] = socket.socket(socket.AF_UNIX)
+        s.connect(str(sock))
     s.sendall(json.dumps(req).encode() + b"\n")
     buf = b""
     while not buf.endswith(b"\n"):
         buf += s.recv(1 << 20)
-    s.close()
     return json.loads(buf)
 
 
@@ -117,6 +122,9 @@ def bench_fleettop(n: int, tmp: Path, idle: float, freezes: int) -> dict:
             lat_resume.append(time.perf_counter() - t)
         out["freeze"] = {"via": via, "n": freezes, **pct(lat_freeze)}
         out["resume"] = {"n": freezes, **pct(lat_resume)}
+    conn = _CONNS.pop(sock, None)
+    if conn is not None:
+        conn.close()
     t0 = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=120)
