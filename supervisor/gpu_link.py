@@ -91,7 +91,15 @@ class GpuLink:
         return {"gpu_lock": "held"} if name in self.locks else {}
 
     def snapshot_part(self) -> dict[str, Any]:
-        return {"gpu_lock": status(self.folder)}
+        st = status(self.folder)
+
+        def who(t: dict[str, Any]) -> dict[str, Any]:
+            return {**t, "agent": t.get("name")}
+
+        holder = st.get("holder")
+        return {"lock": {"holder": who(holder) if holder else None,
+                         "queue": [who(t) for t in st.get("queue", [])],
+                         "folder": st.get("folder")}}
 
 
 # --- proxy side ----------------------------------------------------------------------------

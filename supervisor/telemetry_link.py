@@ -238,7 +238,14 @@ class TelemetryLink:
         w = self._watches.get(name)
         if w is None or not w.fields:
             return {}
-        return {k: v for k, v in w.fields.items() if k != "pids"}
+        out = {k: v for k, v in w.fields.items() if k != "pids"}
+        # The UI's and web view's generic names: the RSS fit is "the" leak fit of a row.
+        for generic, specific in (("leak_slope_bytes_per_s", "rss_leak_slope_bytes_per_s"),
+                                  ("leak_r2", "rss_leak_r2"),
+                                  ("leak_time_to_limit_s", "rss_leak_time_to_limit_s")):
+            if specific in out:
+                out[generic] = out[specific]
+        return out
 
     def _publish_component(self) -> None:
         comps = getattr(self.sup, "components", None)

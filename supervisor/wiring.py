@@ -40,6 +40,23 @@ async def _telemetry(sup: Supervisor) -> None:
     link = TelemetryLink(sup, sup.fleet.probes, sup.fleet.leak)
     await link.start()
     sup.stop_hooks.append(link.stop)
+    sup.snapshot_hooks.append(lambda: _gpus_part(sup, link))
+
+
+def _gpus_part(sup: Supervisor, link: object) -> dict[str, object]:
+    """The probes' GPU sample in the snapshot's shape, with each process's agent named."""
+    gpu = getattr(link, "gpu", None)
+    snap = getattr(link, "gpu_snapshot", None)
+    if gpu is None or snap is None or not snap.gpus:
+        why = getattr(gpu, "why", "") or "no GPU data yet"
+        return {"gpus": [], "gpu_reason": why}
+    owner = {pid: name for name, rt in sup.agents.items() if rt.pid for pid in rt.pids()}
+    procs = [{"pid": pid, "agent": owner.get(pid), "used_bytes": used}
+             for pid, used in snap.process_vram.items()]
+    return {"gpus": [{"index": g.index, "name": g.name, "used_bytes": g.mem_used,
+                      "total_bytes": g.mem_total, "util_percent": g.util_percent,
+                      "processes": procs if i == 0 else []}
+                     for i, g in enumerate(snap.gpus)]}
 
 
 async def _serve(sup: Supervisor, args: argparse.Namespace) -> None:
