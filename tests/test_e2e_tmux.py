@@ -1,0 +1,132 @@
+"""End to end: `fleettop fleet.yaml` on the demo fleet inside tmux, driven by keys.
+
+Freezes an agent by keyboard and checks the kernel agrees (cgroup.events or /proc), opens the
+inspector and finds the agent's last output on screen, resumes it and checks it runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fleettop.supervisor import paths, proctree
+
+ROOT = Path(__file__).resolve().parents[1]
+FLEETTOP = str(Path(sys.executable).parent / "fleettop")
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,
+                                reason="tmux is not installed (apt-get install tmux)")
+
+
+class Tmux:
+    def __init__(self, width: int, height: int, command: str, env: dict[str, str]) -> None:
+        self.sock = f"ft-e2e-{uuid.uuid4().hex[:8]}"
+        self.env = env
+        subprocess.run(["tmux", "-L", self.sock, "new-session", "-d", "-s", "e2e", "-x",
+                        str(width), "-y", str(height), command], check=True, env=env)
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(["tmux", "-L", self.sock, "send-keys", "-t", "e2e", *keys], check=True)
+
+    def screen(self) -> str:
+        return subprocess.run(["tmux", "-L", self.sock, "capture-pane", "-p", "-t", "e2e"],
+                              capture_output=True, text=True).stdout
+
+    def wait_for(self, text: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if text in screen:
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"{text!r} never appeared on screen:\n{self.screen()}")
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True)
+
+
+def ctl_status(fleet: Path, env: dict[str, str]) -> dict:
+    out = subprocess.run([FLEETTOP, "ctl", "-f", str(fleet), "status", "--json"],
+                         capture_output=True, text=True, env=env, timeout=30)
+    return json.loads(out.stdout)
+
+
+def agent(fleet: Path, env: dict[str, str], name: str) -> dict:
+    return next(a for a in ctl_status(fleet, env)["agents"] if a["name"] == name)
+
+
+def test_demo_fleet_in_tmux_freeze_inspect_resume(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    # The demo fleet itself, on a free port so a running demo elsewhere doesn't collide.
+    port = 20000 + os.getpid() % 20000
+    fleet.write_text((ROOT / "fleet.yaml").read_text().replace("11435", str(port)))
+    env = dict(os.environ, TERM="screen-256color", FLEETTOP_DEMO_LLM=f"http://127.0.0.1:{port}")
+    tmux = Tmux(100, 32, f"{FLEETTOP} {fleet}", env)
+    try:
+        tmux.wait_for("looper", 60)
+        deadline = time.monotonic() + 60
+        while True:  # the chat agent has printed a reply: there is something to inspect
+            chat = next(a for a in ctl_status(fleet, env)["agents"] if a["name"] == "chat")
+            logs = subprocess.run([FLEETTOP, "ctl", "-f", str(fleet), "logs", "chat"],
+                                  capture_output=True, text=True, env=env).stdout
+            if chat["state"] == "running" and len(logs.splitlines()) >= 3:
+                break
+            assert time.monotonic() < deadline, f"chat never talked:\n{logs}"
+            time.sleep(0.5)
+        tmux.keys("/")
+        tmux.keys("chat", "Enter")
+        time.sleep(1.0)
+        tmux.keys("f")
+        screen = tmux.wait_for("FROZEN", 10)
+        snap = ctl_status(fleet, env)
+        chat = next(a for a in snap["agents"] if a["name"] == "chat")
+        assert chat["state"] == "frozen"
+        if chat["cgroup"]:
+            events = (Path(chat["cgroup"]) / "cgroup.events").read_text()
+            assert "frozen 1" in events
+        else:
+            assert all(proctree.proc_state(p) == "T" for p in chat["pids"])
+
+        tmux.keys("Enter")  # the inspector on the frozen agent
+        last_line = [line for line in logs.splitlines() if line.strip()][-1].strip()[:30]
+        screen = tmux.wait_for("chat", 10)
+        deadline = time.monotonic() + 10
+        while last_line not in screen and time.monotonic() < deadline:
+            time.sleep(0.3)
+            screen = tmux.screen()
+        assert last_line in screen, f"last output {last_line!r} not in the inspector:\n{screen}"
+        assert "frozen" in screen.lower()
+        tmux.keys("Escape")
+        time.sleep(0.5)
+
+        tmux.keys("r")
+        deadline = time.monotonic() + 10
+        while agent(fleet, env, "chat")["state"] != "running":
+            assert time.monotonic() < deadline, "resume by key did not reach the supervisor"
+            time.sleep(0.2)
+        chat = agent(fleet, env, "chat")
+        if chat["cgroup"]:
+            assert "frozen 0" in (Path(chat["cgroup"]) / "cgroup.events").read_text()
+        ticks = proctree.cpu_ticks(chat["pids"])
+        deadline = time.monotonic() + 20
+        while proctree.cpu_ticks(chat["pids"]) == ticks:  # it runs again: CPU time moves
+            assert time.monotonic() < deadline, "resumed agent never ran"
+            time.sleep(0.3)
+
+        tmux.keys("q")
+        time.sleep(1)
+        tmux.keys("s")  # the quit dialog, if any agent is still frozen
+        deadline = time.monotonic() + 30
+        while paths.socket_path(fleet).exists():
+            assert time.monotonic() < deadline, f"fleettop did not quit:\n{tmux.screen()}"
+            time.sleep(0.3)
+    finally:
+        tmux.kill()
