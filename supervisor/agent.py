@@ -107,9 +107,12 @@ class AgentRuntime:
 
         if self.cgroup is not None and self.cgroup.exists():
             try:
-                return sorted(cgroups.procs(self.cgroup))
+                pids = cgroups.procs(self.cgroup)
             except OSError:
-                pass
+                pids = []
+            # Right after spawn the child may not have joined its cgroup yet.
+            if pids or self.pid is None:
+                return sorted(pids)
         if self.pid is None:
             return []
         return proctree.tree_pids(self.pid)

@@ -482,6 +482,7 @@ class Supervisor:
             return {"ok": False, "error": f"{name} is {rt.state.value}, not running"}
         t0 = time.perf_counter()
         if rt.cgroup is not None:
+            await self._joined(rt)
             frozen = cgroups.freeze(rt.cgroup, timeout=0.002)
             if not frozen:
                 frozen = await self._await_frozen(rt.cgroup, 1)
@@ -500,6 +501,16 @@ class Supervisor:
                   evidence=evidence or {})
         return {"ok": True, "state": "frozen", "via": via, "confirmed": frozen,
                 "latency_ms": latency_ms}
+
+    async def _joined(self, rt: AgentRuntime) -> None:
+        """The spawn shim moves the child into its cgroup right after exec; a freeze asked
+        for in that first millisecond waits for it, or it would miss the agent."""
+        deadline = time.monotonic() + 1.0
+        # No event to await: the kernel file is the only signal.
+        while (rt.pid is not None  # noqa: ASYNC110
+               and rt.cgroup is not None and time.monotonic() < deadline
+               and rt.pid not in cgroups.procs(rt.cgroup)):
+            await asyncio.sleep(0.001)
 
     async def _await_frozen(self, cg: Path, want: int) -> bool:
         deadline = time.monotonic() + 2.0

@@ -33,6 +33,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -207,7 +208,9 @@ class _Queue:
         _unlink(self.qdir / f"{seq:012d}.held")
         _unlink(self.qdir / f"{seq:012d}.ticket")
 
-    def next_seq(self) -> int:
+    def next_seq(self, publish: Callable[[int], None] | None = None) -> int:
+        """Take the next ticket number and, under the same lock, publish the ticket: a
+        number taken but not yet visible would let a later ticket jump the queue."""
         fd = os.open(self.folder / "queue.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -222,6 +225,8 @@ class _Queue:
             tmp = self.folder / f".seq-{os.getpid()}-{threading.get_ident()}"
             tmp.write_text(str(seq))
             os.replace(tmp, seq_file)
+            if publish is not None:
+                publish(seq)
             return seq
         finally:
             os.close(fd)
@@ -312,13 +317,17 @@ class GpuLock:
 
     def _enqueue(self) -> None:
         self._queue.setup()
-        seq = self._queue.next_seq()
         pid = os.getpid()
-        self.ticket = Ticket(seq=seq, pid=pid, start_time=proc_start_time(pid), host=_HOST,
-                             name=self.name, model=self.model, queued_at=time.time())
-        data = self.ticket.to_json()
-        data.pop("seq")
-        _write_atomic(self._queue.qdir / f"{seq:012d}.ticket", data)
+        start = proc_start_time(pid)
+
+        def publish(seq: int) -> None:
+            self.ticket = Ticket(seq=seq, pid=pid, start_time=start, host=_HOST,
+                                 name=self.name, model=self.model, queued_at=time.time())
+            data = self.ticket.to_json()
+            data.pop("seq")
+            _write_atomic(self._queue.qdir / f"{seq:012d}.ticket", data)
+
+        self._queue.next_seq(publish)
 
     def _step(self) -> tuple[str, float, int]:
         """One look at the queue → ("got"|"block"|"wait", delay, live tickets ahead)."""

@@ -72,6 +72,7 @@ def test_every_ctl_command_round_trips(fleet_proc) -> None:
     assert stat.S_IMODE(sock.stat().st_mode) == 0o600
     assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
 
+    wait_until(lambda: len(agent(fleet, "worker")["pids"]) >= 3, what="the worker's tree")
     snap = status(fleet)
     worker = next(a for a in snap["agents"] if a["name"] == "worker")
     for key in ("name", "state", "reason", "pid", "pids", "cpu_percent", "rss_bytes", "source"):
