@@ -296,6 +296,8 @@ def add_parser(parent: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "file_opt", None):
         args.file = args.file_opt
+    if not getattr(args, "file", None) and os.path.exists("fleet.yaml"):
+        args.file = "fleet.yaml"  # like `ctl`, the fleet of the current folder by default
     checks = run_checks(args)
     failed = any(c.status == "fail" for c in checks)
     if getattr(args, "json", False):
