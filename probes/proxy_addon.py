@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.proxy import mode_specs
+
 from fleettop.probes import wire
 from fleettop.supervisor.budget import BudgetTracker, cost_of
 from fleettop.supervisor.loops import LoopDetector, RetryDetector, Trip
@@ -39,8 +42,6 @@ from fleettop.supervisor.sections_proxy import (
     BreakerSection,
     ProxySection,
 )
-from mitmproxy import ctx, exceptions, http
-from mitmproxy.proxy import mode_specs
 
 log = logging.getLogger("fleettop.proxy")
 Report = Callable[[dict[str, Any]], None]

@@ -60,13 +60,17 @@ class BudgetTracker:
         self.total_tokens_out = 0
         self.total_cost = 0.0
         self.total_requests = 0
+        self._win_tokens = 0
+        self._win_cost = 0.0
 
     def _expire(self, now: float) -> None:
         horizon = now - max(self.p.window, 60.0)
         while self._requests and self._requests[0] < horizon:
             self._requests.popleft()
         while self._usage and self._usage[0][0] < now - self.p.window:
-            self._usage.popleft()
+            _, tokens, cost = self._usage.popleft()
+            self._win_tokens -= tokens
+            self._win_cost -= cost
 
     def on_request(self, now: float) -> Trip | None:
         self._expire(now)
@@ -92,6 +96,8 @@ class BudgetTracker:
         self.total_tokens_out += tokens_out
         self.total_cost += cost
         self._usage.append((now, tokens_in + tokens_out, cost))
+        self._win_tokens += tokens_in + tokens_out
+        self._win_cost += cost
         tokens, spent = self.window_usage(now)
         if self.p.max_tokens is not None and tokens > self.p.max_tokens:
             return Trip("budget", f"{tokens} tokens in {self.p.window:g}s > {self.p.max_tokens}",
@@ -107,8 +113,9 @@ class BudgetTracker:
         return sum(1 for t in self._requests if t >= now - self.p.window)
 
     def window_usage(self, now: float) -> tuple[int, float]:
-        tokens = sum(u[1] for u in self._usage if u[0] >= now - self.p.window)
-        return tokens, sum(u[2] for u in self._usage if u[0] >= now - self.p.window)
+        """Running sums (kept on append/expire: this runs on every streamed chunk)."""
+        self._expire(now)
+        return self._win_tokens, max(0.0, self._win_cost)
 
     def rate_per_min(self, now: float) -> float:
         return float(sum(1 for t in self._requests if t >= now - 60.0))

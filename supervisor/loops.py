@@ -292,8 +292,9 @@ class LoopDetector:
     # Tier B: sentence/line units, same lag.
     def _tier_b(self, text: str) -> Trip | None:
         self._seg += text
-        if "\n" not in text and ". " not in self._seg[-len(text) - 1 :] and "! " not in \
-                self._seg[-len(text) - 1 :] and "? " not in self._seg[-len(text) - 1 :]:
+        recent = self._seg[-len(text) - 1 :]
+        if ("\n" not in text and ". " not in recent and "! " not in recent
+                and "? " not in recent and len(self._seg) <= 2000):
             return None
         parts = _UNIT_SPLIT.split(self._seg)
         self._seg = parts.pop()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import certifi
+
 from fleettop.supervisor.sections_proxy import BreakerSection, ProxySection
 
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "127.0.0.0/8", "0.0.0.0", "*"}

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+
 from fleettop.supervisor.loops import (
     LoopDetector,
     LoopParams,

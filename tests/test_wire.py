@@ -10,6 +10,7 @@ import zlib
 import brotli
 import pytest
 import zstandard
+
 from fleettop.probes.wire import ResponseParser, classify
 
 OPENAI_SSE = b"".join(
