@@ -108,6 +108,15 @@ class ProxyLink:
             return {}
         return {"proxy": {k: stats.get(k) for k in _STAT_FIELDS}}
 
+    def component(self) -> dict[str, Any]:
+        """The proxy's row in the snapshot's `components` list."""
+        proc = self._proc
+        alive = proc is not None and proc.returncode is None
+        return {"name": "proxy", "state": "running" if alive else "stopped",
+                "pid": proc.pid if proc is not None else None, "port": self.port,
+                "reverse": dict(self.reverse_ports), "restarts": self.restarts,
+                "blocked": sorted(a for a, s in self.stats.items() if s.get("blocked"))}
+
     # --- process -------------------------------------------------------------------------
     async def start(self, ready_s: float = 30.0) -> dict[str, Any]:
         self.state_dir.mkdir(parents=True, exist_ok=True)

@@ -419,6 +419,7 @@ async def test_proxy_link_env_freeze_and_release(tmp_path, upstream):
                 break
             await asyncio.sleep(0.05)
         assert sup.status_hooks[0]("looper2")["proxy"]["trips"] == 1
+        assert link.component()["state"] == "running" and link.component()["port"] == link.port
     finally:
         await link.stop()
     assert proxy_env("a", "t", 1, base_env={})["NO_PROXY"] == ""
