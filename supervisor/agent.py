@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import random
 import time
@@ -89,6 +90,8 @@ class AgentRuntime:
     trip: dict[str, Any] | None = None
     stop_requested: bool = False
     run_id: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the current run passes its readiness probe (at once when it has none)."""
 
     @property
     def name(self) -> str:

@@ -26,6 +26,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from fleettop.supervisor import sections
@@ -77,6 +78,37 @@ class LogSettings(Strict):
     tail_lines: int = Field(500, ge=10)
 
 
+class Ready(Strict):
+    """When a started agent counts as ready, for the agents that depend on it."""
+
+    tcp: str | None = None
+    """host:port accepting connections, e.g. 127.0.0.1:11434."""
+    http: str | None = None
+    """A URL that answers HTTP (any status), e.g. http://127.0.0.1:11434/api/tags."""
+    log: str | None = None
+    """A regular expression matched against its output lines."""
+    timeout: Duration = 30.0
+    """Dependents start anyway after this long, with a warning."""
+
+    @model_validator(mode="after")
+    def _one_probe(self) -> Ready:
+        given = [k for k in ("tcp", "http", "log") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of tcp, http, log")
+        if self.tcp:
+            host, _, port = self.tcp.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"tcp: expected host:port, got {self.tcp!r}")
+        if self.http and not re.match(r"^http://[^/]+", self.http):
+            raise ValueError(f"http: expected an http:// URL, got {self.http!r}")
+        if self.log:
+            try:
+                re.compile(self.log)
+            except re.error as exc:
+                raise ValueError(f"log: bad regular expression: {exc}") from None
+        return self
+
+
 class AgentSpec(Strict):
     name: str = ""
     cmd: list[StrictStr] | StrictStr
@@ -89,6 +121,8 @@ class AgentSpec(Strict):
     )
     schedule: Annotated[str, BeforeValidator(_cron)] | None = None
     depends_on: list[str] = Field(default_factory=list)
+    ready: Ready | None = None
+    """Readiness probe: agents that depend on this one start once it passes."""
     stop_timeout: Duration = 10.0
     stop_signal: Literal["TERM", "INT", "HUP", "QUIT", "KILL", "USR1", "USR2"] = "TERM"
     priority: int = 0

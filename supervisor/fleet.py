@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import os
 import pwd
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from croniter import croniter
 
@@ -75,7 +77,9 @@ class Supervisor:
         self.start_hooks: list[Callable[[AgentRuntime], Any]] = []
         """Awaited (if coroutine) before each start; may raise SkipStart to skip this run."""
         self.exit_hooks: list[Callable[[AgentRuntime], Any]] = []
-        self.components: dict[str, dict[str, Any]] = {}
+        self.components: dict[str, Any] = {}
+        """Parts of the fleet that are not agents (proxy, probes, server): a dict, or a
+        callable returning one, per name."""
         self.stop_hooks: list[Callable[[], Any]] = []
         """Awaited after every agent has stopped (proxy, probes, servers shut down here)."""
         self.externals: dict[int, dict[str, Any]] = {}
@@ -146,6 +150,8 @@ class Supervisor:
                   f"{self.cgroup_tree.fleet_dir if self.cgroup_tree else ''}",
                   file=self.fleet.path, agents=len(self.agents), isolation=source)
         for level in self._levels():
+            waits = {d for n in level for d in self.agents[n].spec.depends_on}
+            await self._dependencies_ready(sorted(waits))
             for name in level:
                 rt = self.agents[name]
                 if not rt.spec.enabled:
@@ -155,6 +161,32 @@ class Supervisor:
                     self._schedule_next(rt)
                 else:
                     await self._start(rt, "fleet start")
+
+    async def _dependencies_ready(self, names: list[str]) -> None:
+        """Wait for the readiness probes of these agents (those that have one)."""
+        for name in names:
+            rt = self.agents[name]
+            probe = rt.spec.ready
+            if probe is None or rt.ready.is_set() or rt.pid is None:
+                continue
+            try:
+                await asyncio.wait_for(rt.ready.wait(), probe.timeout)
+            except TimeoutError:
+                self.emit("agent.warning", name, f"not ready after {probe.timeout:g}s; "
+                          "starting its dependents anyway")
+
+    async def _watch_ready(self, rt: AgentRuntime, run_id: int) -> None:
+        probe = rt.spec.ready
+        assert probe is not None
+        pattern = re.compile(probe.log) if probe.log else None
+        t0 = time.monotonic()
+        while rt.run_id == run_id and rt.pid is not None:
+            if await _probe_once(probe, pattern, rt):
+                rt.ready.set()
+                self.emit("agent.ready", rt.name, f"ready after {time.monotonic() - t0:.2f}s",
+                          probe=probe.model_dump(exclude_none=True, exclude={"timeout"}))
+                return
+            await asyncio.sleep(0.05)
 
     def _levels(self) -> list[list[str]]:
         """Agents grouped so each group's dependencies are all in earlier groups."""
@@ -195,6 +227,11 @@ class Supervisor:
             self._set_state(rt, AgentState.FAILED, f"cannot start: {exc}")
             return
         self._set_state(rt, AgentState.RUNNING, why, pid=rt.pid, run=rt.run_id)
+        rt.ready.clear()
+        if rt.spec.ready is None:
+            rt.ready.set()
+        else:
+            self._spawn_task(self._watch_ready(rt, rt.run_id))
         if rt.spec.schedule:
             self._schedule_next(rt)  # the next slot is watched even while this run goes on
 
@@ -719,7 +756,8 @@ class Supervisor:
             "agents": [self.agent_status(rt) for rt in self.agents.values()],
             "external": [dict(v) for v in self.externals.values()],
             "events": [e.to_json() for e in list(self.events)[-200:]],
-            "components": [{"name": k, **v} for k, v in self.components.items()],
+            "components": [{"name": k, **(v() if callable(v) else v)}
+                           for k, v in self.components.items()],
         }
         for hook in self.snapshot_hooks:
             with contextlib.suppress(Exception):
@@ -731,6 +769,34 @@ class Supervisor:
         from fleettop.supervisor.commands import dispatch
 
         return await dispatch(self, req)
+
+
+async def _probe_once(probe: Any, pattern: re.Pattern[str] | None, rt: AgentRuntime) -> bool:
+    if pattern is not None:
+        return rt.log is not None and any(pattern.search(line) for line in rt.log.lines(200))
+    if probe.tcp:
+        host, _, port = probe.tcp.rpartition(":")
+        target = (host.strip("[]"), int(port))
+        request = None
+    else:
+        url = urlsplit(probe.http)
+        target = (url.hostname or "127.0.0.1", url.port or 80)
+        request = (f"GET {url.path or '/'}{'?' + url.query if url.query else ''} HTTP/1.0\r\n"
+                   f"Host: {url.netloc}\r\n\r\n").encode()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), 1.0)
+    except (OSError, TimeoutError):
+        return False
+    try:
+        if request is None:
+            return True
+        writer.write(request)
+        await writer.drain()
+        return (await asyncio.wait_for(reader.read(5), 2.0)) == b"HTTP/"
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
 
 
 def _check_executable(cmd: str, path: str, cwd: str | None) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,6 +283,7 @@ class Governor:
         self.frozen: list[str] = []
         """Agents this governor froze, oldest first; it resumes them, newest first."""
         self._last_action: dict[str, float] = {}
+        self._seen: deque[int] = deque(maxlen=10)
 
     def _actions(self, level: int) -> list[str]:
         return list(self.config.actions.get(level, [])) if level else []
@@ -289,7 +291,10 @@ class Governor:
     async def step(self, figures: Mapping[str, float] | None = None) -> GovernorState:
         fig = dict(self.sampler.sample() if figures is None else figures)
         now = self.clock()
-        up, steps = level_for(fig, self.config)
+        seen, steps = level_for(fig, self.config)
+        self._seen.append(seen)
+        confirm = self.config.confirm
+        up = min(list(self._seen)[-confirm:]) if len(self._seen) >= confirm else 0
         current = self.state.level
         if up > current:
             self._change(up, now, fig, steps, "pressure rose")

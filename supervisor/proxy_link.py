@@ -81,6 +81,11 @@ class ProxyLink:
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = False
+        self.texts: dict[str, str] = {}
+        self.requests: dict[str, list[Any]] = {}
+        self._chars: dict[str, int] = {}
+        self._rates: dict[str, float] = {}
+        self._last_out: dict[str, tuple[float, float]] = {}
         self.tokens_file = self.state_dir / "proxy-tokens.json"
         self.config_file = self.state_dir / "proxy-config.json"
 
@@ -91,7 +96,7 @@ class ProxyLink:
 
     def env_hook(self, spec: Any, env: dict[str, str]) -> None:
         name = spec.name if hasattr(spec, "name") else str(spec)
-        if self.port is None:
+        if self.port is None or not getattr(spec, "proxy", True):
             return
         token = secrets.token_hex(16)  # fresh per agent and run
         self.tokens[name] = token
@@ -106,7 +111,38 @@ class ProxyLink:
         stats = self.stats.get(name)
         if not stats:
             return {}
-        return {"proxy": {k: stats.get(k) for k in _STAT_FIELDS}}
+        out = {"proxy": {k: stats.get(k) for k in _STAT_FIELDS if k != "text_tail"}}
+        # The flat per-agent fields the UI, the web view and /metrics read.
+        out.update(tokens_in=stats.get("tokens_in"), tokens_out=stats.get("tokens_out"),
+                   cost_usd=stats.get("cost"), requests=stats.get("requests"),
+                   req_per_min=stats.get("req_per_min"), last_model=stats.get("last_model"),
+                   blocked=stats.get("blocked"), tokens_per_s=self._rates.get(name),
+                   trips=stats.get("trips"), last_text=self.texts.get(name, ""),
+                   last_requests=self.requests.get(name, []))
+        return out
+
+    def _remember(self, name: str, event: dict[str, Any]) -> None:
+        """Rebuild each agent's last ~16 KiB of text from the 1 KiB tails in its reports."""
+        if event.get("event") == "proxy.dump" and isinstance(event.get("text"), str):
+            self.texts[name] = event["text"]
+            self.requests[name] = list(event.get("recent_requests") or [])
+            self._chars[name] = int(event.get("text_chars") or 0)
+            return
+        total = int(event.get("text_chars") or 0)
+        prev = self._chars.get(name, 0)
+        tail = event.get("text_tail")
+        if isinstance(tail, str) and total > prev:
+            new = total - prev
+            text = self.texts.get(name, "")
+            text = text + tail[-new:] if new <= len(tail) else text + "\n[…]\n" + tail
+            self.texts[name] = text[-self.proxy.ring_bytes:]
+        self._chars[name] = total
+        now = float(event.get("ts") or 0.0)
+        out = float(event.get("tokens_out") or 0)
+        last = self._last_out.get(name)
+        if last is not None and now > last[0]:
+            self._rates[name] = round(max(0.0, out - last[1]) / (now - last[0]), 1)
+        self._last_out[name] = (now, out)
 
     def component(self) -> dict[str, Any]:
         """The proxy's row in the snapshot's `components` list."""
@@ -192,6 +228,7 @@ class ProxyLink:
                 self._ready.set_result(event)
         elif kind in ("proxy.stats", "proxy.dump"):
             self.stats[agent] = event
+            self._remember(agent, event)
         elif kind == "breaker.trip":
             await self._on_trip(event)
         elif kind == "proxy.released":
@@ -207,6 +244,7 @@ class ProxyLink:
                       policy=policy, evidence=evidence, incident=event.get("incident"))
         if name not in getattr(self.sup, "agents", {name: None}):
             return
+        self.dump(name)  # the whole ring and the recent requests, for the inspector
         if policy == "freeze":
             await self.sup.freeze_agent(name, reason=reason, source="breaker", evidence=evidence)
         elif policy == "kill":

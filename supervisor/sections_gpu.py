@@ -176,6 +176,9 @@ class GovernorSection(_Strict):
     """Time at a level (and below its thresholds) before stepping down one level."""
     hysteresis: float = Field(0.2, ge=0.0, lt=1.0)
     """Step down only once figures are this share below the level's thresholds."""
+    confirm: int = Field(2, ge=1, le=10)
+    """Samples in a row a level must be reached before the governor rises to it: one burst
+    of page-cache refaults while a fleet starts is not thrashing."""
     thresholds: GovernorThresholds = Field(default_factory=GovernorThresholds)
     actions: dict[Annotated[int, Field(ge=1, le=4)], list[GovernorAction]] = Field(
         default_factory=_default_actions)

@@ -26,12 +26,27 @@ def setup_for(args: argparse.Namespace) -> Setup:
     async def setup(sup: Supervisor) -> None:
         stop = asyncio.Event()
         sup.stop_hooks.append(stop.set)
+        if sup.fleet.proxy.enabled and any(s.proxy for s in sup.fleet.agents.values()):
+            await _proxy(sup)
         _gpu(sup, stop)
         if telemetry:
             await _telemetry(sup)
         await _serve(sup, args)
 
     return setup
+
+
+async def _proxy(sup: Supervisor) -> None:
+    """The token proxy, up before any agent starts so every agent gets its credentials."""
+    from fleettop.supervisor.proxy_link import ProxyLink
+
+    fleet = sup.fleet
+    link = ProxyLink(sup, fleet.proxy, fleet.breaker, sup.state_dir / "proxy",
+                     agent_breakers={n: s.breaker for n, s in fleet.agents.items()})
+    link.register()
+    await link.start()
+    sup.stop_hooks.append(link.stop)
+    sup.components["proxy"] = lambda: {**link.component(), "detail": f"127.0.0.1:{link.port}"}
 
 
 async def _telemetry(sup: Supervisor) -> None:

@@ -61,6 +61,10 @@ MALFORMED = [
     ("version: 2\nagents: {}\n", "1:10: version: input should be 1"),
     ("agents:\n  a:\n    cmd: x\n    backoff: {initial: 1s, factor: 0.5}\n",
      "4:36: agents.a.backoff.factor: input should be greater than or equal to 1"),
+    ("agents:\n  a:\n    cmd: x\n    ready: {tcp: '127.0.0.1:80', log: up}\n",
+     "4:12: agents.a.ready: give exactly one of tcp, http, log"),
+    ("agents:\n  a:\n    cmd: x\n    ready: {tcp: 'localhost'}\n",
+     "4:12: agents.a.ready: tcp: expected host:port"),
     ("agents:\n  a:\n    cmd: x\n    limits: {memroy: 1GiB}\n",
      "4:14: agents.a.limits.memroy: unknown key 'memroy' (did you mean 'memory'?)"),
 ]

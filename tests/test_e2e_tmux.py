@@ -77,7 +77,9 @@ def test_demo_fleet_in_tmux_freeze_inspect_resume(tmp_path: Path) -> None:
             chat = next(a for a in ctl_status(fleet, env)["agents"] if a["name"] == "chat")
             logs = subprocess.run([FLEETTOP, "ctl", "-f", str(fleet), "logs", "chat"],
                                   capture_output=True, text=True, env=env).stdout
-            if chat["state"] == "running" and len(logs.splitlines()) >= 3:
+            said = [line for line in logs.splitlines() if line.startswith("[chat] turn")
+                    and "HTTP" not in line and "failed" not in line]
+            if chat["state"] == "running" and said:
                 break
             assert time.monotonic() < deadline, f"chat never talked:\n{logs}"
             time.sleep(0.5)
@@ -96,7 +98,7 @@ def test_demo_fleet_in_tmux_freeze_inspect_resume(tmp_path: Path) -> None:
             assert all(proctree.proc_state(p) == "T" for p in chat["pids"])
 
         tmux.keys("Enter")  # the inspector on the frozen agent
-        last_line = [line for line in logs.splitlines() if line.strip()][-1].strip()[:30]
+        last_line = said[-1].strip()[:30]
         screen = tmux.wait_for("chat", 10)
         deadline = time.monotonic() + 10
         while last_line not in screen and time.monotonic() < deadline:
@@ -104,6 +106,7 @@ def test_demo_fleet_in_tmux_freeze_inspect_resume(tmp_path: Path) -> None:
             screen = tmux.screen()
         assert last_line in screen, f"last output {last_line!r} not in the inspector:\n{screen}"
         assert "frozen" in screen.lower()
+        assert "no token capture" not in screen, "the proxy's last tokens are missing"
         tmux.keys("Escape")
         time.sleep(0.5)
 

@@ -138,7 +138,7 @@ def test_sampler_rates_and_unaccounted(root: Root) -> None:
 
 
 def test_levels_follow_the_worst_figure() -> None:
-    cfg = GovernorSection()
+    cfg = GovernorSection(confirm=1)
     assert level_for({"memory_some_avg10": 1.0}, cfg)[0] == 0
     assert level_for({"memory_some_avg10": 30.0}, cfg) == (2, {"memory_some_avg10": 2})
     assert level_for({"memory_some_avg10": 30.0, "swap_pages_per_s": 6000.0}, cfg)[0] == 3
@@ -151,7 +151,7 @@ async def test_escalates_at_once_steps_down_after_cooldown_with_hysteresis(root:
     clock = Clock()
     sup = FakeSupervisor()
     state_file = root.path / "governor.json"
-    cfg = GovernorSection.model_validate({"cooldown": "30s", "hysteresis": 0.2})
+    cfg = GovernorSection.model_validate({"cooldown": "30s", "hysteresis": 0.2, "confirm": 1})
     gov = Governor(Sampler(root.path, clock=clock, rss_every=0), cfg, supervisor=sup,
                    state_path=state_file, clock=clock)
     assert (await gov.step()).level == 0
@@ -193,7 +193,7 @@ async def test_escalates_at_once_steps_down_after_cooldown_with_hysteresis(root:
 async def test_last_resort_kill_and_protected_agents(root: Root) -> None:
     clock = Clock()
     sup = FakeSupervisor()
-    cfg = GovernorSection.model_validate({"protect": ["batch"]})
+    cfg = GovernorSection.model_validate({"protect": ["batch"], "confirm": 1})
     gov = Governor(Sampler(root.path, clock=clock, rss_every=0), cfg, supervisor=sup, clock=clock)
     root.pressure(memory=psi(90.0, 40.0))
     assert (await gov.step()).level == 4
@@ -212,7 +212,8 @@ class FakeEvictor:
 async def test_evicts_through_the_watchdog_once_per_cooldown(root: Root) -> None:
     clock = Clock()
     ev = FakeEvictor()
-    gov = Governor(Sampler(root.path, clock=clock, rss_every=0), GovernorSection(), evictor=ev,
+    gov = Governor(Sampler(root.path, clock=clock, rss_every=0),
+                   GovernorSection(confirm=1), evictor=ev,
                    clock=clock)
     await gov.step({"swap_pages_per_s": 2000.0})
     await gov.step({"swap_pages_per_s": 2000.0})
@@ -230,3 +231,14 @@ def test_shrink_request_ollama_and_openai() -> None:
     shrink_request(openai2, None, 512)
     assert openai2["max_completion_tokens"] == 512
     assert shrink_request({"model": "x", "messages": []}, None, None) == {}
+
+
+async def test_a_single_burst_does_not_raise_the_level(root: Root) -> None:
+    clock = Clock()
+    gov = Governor(Sampler(root.path, clock=clock, rss_every=0), GovernorSection(), clock=clock)
+    calm = {"refault_pages_per_s": 0.0}
+    burst = {"refault_pages_per_s": 50000.0}
+    assert (await gov.step(burst)).level == 0  # one sample: a fleet starting up
+    assert (await gov.step(calm)).level == 0
+    await gov.step(burst)
+    assert (await gov.step(burst)).level == 3  # two in a row: pressure

@@ -284,3 +284,27 @@ async def test_unstartable_command_fails_with_reason(tmp_path: Path) -> None:
         rt = sup.agents["ghost"]
         assert rt.state is AgentState.FAILED
         assert "cannot start" in rt.reason and "nonexistent" in rt.reason
+
+
+async def test_dependents_wait_for_readiness(tmp_path: Path) -> None:
+    text = {"agents": {
+        "server": {"cmd": ["sh", "-c", "sleep 0.6; echo server listening; sleep 100"],
+                   "ready": {"log": "listening"}},
+        "client": {"cmd": ["sleep", "100"], "depends_on": ["server"]},
+    }}
+    async for sup in running(tmp_path, text):
+        ready = kinds(sup, "agent.ready", "server")
+        started = [e for e in kinds(sup, "agent.state", "client") if e.data["to"] == "running"]
+        assert ready and started and started[0].ts >= ready[0].ts
+        assert ready[0].data["probe"] == {"log": "listening"}
+
+
+async def test_readiness_timeout_starts_dependents_anyway(tmp_path: Path) -> None:
+    text = {"agents": {
+        "mute": {"cmd": ["sleep", "100"], "ready": {"tcp": "127.0.0.1:1", "timeout": "0.3s"}},
+        "after": {"cmd": ["sleep", "100"], "depends_on": ["mute"]},
+    }}
+    async for sup in running(tmp_path, text):
+        assert sup.agents["after"].state is AgentState.RUNNING
+        assert any("not ready after 0.3s" in e.reason for e in kinds(sup, "agent.warning",
+                                                                      "mute"))

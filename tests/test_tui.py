@@ -17,6 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
+from rich.text import Text
+from textual.message import Message
+from textual.pilot import Pilot
+from textual.widgets import Button, Input, Static
+
 from fleettop.tui import format as fmt
 from fleettop.tui.app import FleettopApp
 from fleettop.tui.bindings import APP_BINDINGS, MUTATING_ACTIONS, unknown_ids
@@ -30,12 +36,6 @@ from fleettop.tui.screens import (
     highlighted_tokens,
 )
 from fleettop.tui.widgets import AgentsTable, EventsPanel, LeakPanel, LockPanel, VramPanel
-from rich.console import Console
-from rich.text import Text
-from textual.message import Message
-from textual.pilot import Pilot
-from textual.widgets import Button, Input, Static
-
 from tests.fake_fleet import LOOP, FakeFleet, tripped_text
 
 DATA = Path(__file__).parent / "data" / "tui"

@@ -13,6 +13,7 @@ import argparse
 import io
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -123,9 +124,11 @@ def ollama_generate(model: str, prompt: str) -> dict[str, Any]:
 
 def _http_error(exc: urllib.error.HTTPError) -> str:
     try:
-        detail = exc.read().decode()[:200]
+        detail = exc.read().decode("utf-8", "replace")
     except OSError:
         detail = ""
+    # One line in the log, even for an HTML error page from a proxy or gateway.
+    detail = " ".join(re.sub(r"<[^>]+>", " ", detail).split())[:200]
     return f"HTTP {exc.code} {detail}".strip()
 
 

@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aiohttp import web
+
 from fleettop.supervisor.demo import scripts
 
 Frame = tuple[bytes, bool]
