@@ -40,7 +40,6 @@ def _rss_mib() -> float:
 async def _child(n: int, seconds: float, refresh_s: float) -> dict[str, Any]:
     from fleettop.tui.app import FleettopApp
     from fleettop.tui.widgets import AgentsTable
-
     from tests.fake_fleet import FakeFleet
 
     class ChangingFleet(FakeFleet):
