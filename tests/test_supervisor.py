@@ -308,3 +308,22 @@ async def test_readiness_timeout_starts_dependents_anyway(tmp_path: Path) -> Non
         assert sup.agents["after"].state is AgentState.RUNNING
         assert any("not ready after 0.3s" in e.reason for e in kinds(sup, "agent.warning",
                                                                       "mute"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs fleettop to run as root")
+async def test_agent_runs_as_the_configured_user_never_root_by_accident(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    monkeypatch.delenv("SUDO_USER", raising=False)
+    text = {"agents": {
+        "as-nobody": {"cmd": ["id", "-u"], "user": "nobody", "restart": "no", "cwd": "/"},
+        "as-invoker": {"cmd": ["id", "-u"], "restart": "no", "cwd": "/"},
+    }}
+    monkeypatch.setenv("SUDO_USER", "nobody")  # as under `sudo fleettop ...` by nobody
+    async for sup in running(tmp_path, text):
+        for name in ("as-nobody", "as-invoker"):
+            rt = sup.agents[name]
+            await wait_for(lambda rt=rt: rt.state is AgentState.EXITED, what=f"{name} exits")
+            assert str(nobody.pw_uid) in rt.log.lines(10), (name, rt.log.lines(10))
