@@ -32,6 +32,29 @@ def find_v2_mount(mounts: str = "/proc/self/mounts") -> Path | None:
     return None
 
 
+def find_v1_memory(mounts: str = "/proc/self/mounts",
+                   own: str = "/proc/self/cgroup") -> Path | None:
+    """Our own cgroup in a v1 `memory` hierarchy (hybrid systems keep memory in v1)."""
+    mount = None
+    try:
+        with open(mounts) as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 4 and parts[2] == "cgroup" and "memory" in parts[3].split(","):
+                    mount = Path(parts[1])
+                    break
+        if mount is None:
+            return None
+        with open(own) as fh:
+            for line in fh:
+                _, ctrls, path = line.rstrip("\n").split(":", 2)
+                if "memory" in ctrls.split(","):
+                    return mount / path.lstrip("/")
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def _write(path: Path, value: str) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
@@ -141,6 +164,9 @@ class CgroupTree:
     base: Path
     fleet_dir: Path
     controllers: frozenset[str]
+    v1_memory: Path | None = None
+    """`<v1 memory>/fleettop/<fleet-id>.<pid>`, used for limits.memory when v2 has no
+    memory controller (hybrid mounts); None where it isn't needed or can't be made."""
 
     @classmethod
     def create(cls, fleet_id: str) -> tuple[CgroupTree | None, str]:
@@ -167,9 +193,16 @@ class CgroupTree:
                 enabled.add(ctl)
             except OSError:
                 continue
-        with contextlib.suppress(OSError):
-            (fleet_dir / "cgroup.procs").stat()
-        return cls(mount, base, fleet_dir, frozenset(enabled)), ""
+        v1 = None
+        if "memory" not in enabled:
+            own = find_v1_memory()
+            if own is not None:
+                try:
+                    v1 = own / BASE_NAME / f"{fleet_id}.{os.getpid()}"
+                    v1.mkdir(parents=True, exist_ok=True)
+                except OSError:
+                    v1 = None
+        return cls(mount, base, fleet_dir, frozenset(enabled), v1), ""
 
     def agent_dir(self, name: str) -> Path:
         cg = self.fleet_dir / name
@@ -186,8 +219,42 @@ class CgroupTree:
             return f"cannot write memory.max: {exc.strerror}"
         return ""
 
+    def v1_memory_dir(self, name: str, limit: int) -> tuple[Path | None, str]:
+        """(the agent's v1 memory cgroup with the limit set, "") or (None, why not)."""
+        if self.v1_memory is None:
+            return None, "memory controller in neither cgroup v2 nor a v1 hierarchy we can use"
+        cg = self.v1_memory / name
+        try:
+            cg.mkdir(exist_ok=True)
+            _write(cg / "memory.limit_in_bytes", str(limit))
+        except OSError as exc:
+            return None, f"cannot set the v1 memory limit: {exc.strerror}"
+        return cg, ""
+
     def destroy(self) -> None:
         remove(self.fleet_dir)
+        if self.v1_memory is not None:
+            remove_v1(self.v1_memory)
+
+
+def remove_v1(cg: Path, timeout: float = 2.0) -> bool:
+    """rmdir a v1 cgroup tree once its tasks are gone (v1 has no cgroup.kill)."""
+    deadline = time.monotonic() + timeout
+    for dirpath, _dirs, _files in sorted(os.walk(cg), key=lambda t: -len(t[0])):
+        while True:
+            try:
+                os.rmdir(dirpath)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    return False
+                for pid in _read(Path(dirpath) / "cgroup.procs").split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.01)
+    return True
 
 
 def cleanup_stale() -> list[Path]:
@@ -200,6 +267,13 @@ def cleanup_stale() -> list[Path]:
     if mount is None or not (mount / BASE_NAME).is_dir():
         return []
     removed = []
+    own_v1 = find_v1_memory()
+    if own_v1 is not None and (own_v1 / BASE_NAME).is_dir():
+        for entry in (own_v1 / BASE_NAME).iterdir():
+            _, _, pid_text = entry.name.rpartition(".")
+            if (entry.is_dir() and pid_text.isdigit() and int(pid_text) != os.getpid()
+                    and not _pid_alive(int(pid_text)) and remove_v1(entry)):
+                removed.append(entry)
     for entry in (mount / BASE_NAME).iterdir():
         if not entry.is_dir():
             continue

@@ -42,7 +42,9 @@ _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 # Python in the child (~7 ms a spawn); `sh` + util-linux `setpriv` do it after a vfork
 # (~1 ms), so 200 agents start in a fraction of the time. preexec_fn stays as the fallback.
 _SETPRIV = shutil.which("setpriv")
-_JOIN_CGROUP = 'echo 0 > "$0" && exec "$@"'
+# sh -c SCRIPT sh CGPROCS... -- CMD...: join each cgroup (writing 0 moves the writer), exec.
+_JOIN_CGROUPS = ('for f; do [ "$f" = -- ] && break; echo 0 > "$f" || exit 126; shift; done; '
+                 'shift; exec "$@"')
 
 
 def _setpriv_usable() -> bool:
@@ -281,18 +283,29 @@ class Supervisor:
         if rt.log is None:
             rt.log = AgentLog(self.log_dir / f"{rt.name}.log", spec.log.max_bytes,
                               spec.log.backups, spec.log.tail_lines)
-        cg_procs: str | None = None
-        if self.cgroup_tree is not None:
-            rt.cgroup = self.cgroup_tree.agent_dir(rt.name)
+        joins: list[str] = []
+        """cgroup.procs files the child writes itself into before exec."""
+        tree = self.cgroup_tree
+        if tree is not None:
+            rt.cgroup = tree.agent_dir(rt.name)
             if cgroups.read_events(rt.cgroup).get("frozen"):
                 cgroups.thaw(rt.cgroup)
-            if spec.limits.memory is not None or rt.run_id == 0:
-                why = self.cgroup_tree.set_memory_max(rt.cgroup, spec.limits.memory)
-                if why and spec.limits.memory is not None and rt.run_id == 0:
-                    self.emit("agent.warning", rt.name, f"limits.memory not enforced: {why}")
-            cg_procs = str(rt.cgroup / "cgroup.procs")
-            if user is not None:
-                os.chown(rt.cgroup, 0, 0)
+            joins.append(str(rt.cgroup / "cgroup.procs"))
+            limit = spec.limits.memory
+            if limit is not None:
+                why = tree.set_memory_max(rt.cgroup, limit)
+                via = "memory.max (cgroup v2)"
+                if why:  # hybrid systems keep the memory controller in v1
+                    v1, why = tree.v1_memory_dir(rt.name, limit)
+                    if v1 is not None:
+                        joins.append(str(v1 / "cgroup.procs"))
+                        via = f"memory.limit_in_bytes (cgroup v1 {v1})"
+                if rt.run_id == 0:
+                    if why:
+                        self.emit("agent.warning", rt.name, f"limits.memory not enforced: {why}")
+                    else:
+                        self.emit("agent.limits", rt.name, f"memory limit {limit} bytes via {via}",
+                                  memory_bytes=limit)
         elif spec.limits.memory is not None and rt.run_id == 0:
             self.emit("agent.warning", rt.name,
                       f"limits.memory not enforced: {self.cgroup_reason}")
@@ -307,8 +320,8 @@ class Supervisor:
         def in_child() -> None:
             # Runs between fork and exec. Order matters: join the cgroup while still root,
             # then drop privileges, then PDEATHSIG (a credential change clears it).
-            if cg_procs:
-                fd = os.open(cg_procs, os.O_WRONLY)
+            for procs_file in joins:
+                fd = os.open(procs_file, os.O_WRONLY)
                 os.write(fd, b"0")
                 os.close(fd)
             if uid is not None and gid is not None:
@@ -327,8 +340,8 @@ class Supervisor:
             if uid is not None and gid is not None:
                 shim += ["--reuid", str(uid), "--regid", str(gid), "--init-groups"]
             argv = [*shim, "--", *argv]
-            if cg_procs:
-                argv = ["/bin/sh", "-c", _JOIN_CGROUP, cg_procs, *argv]
+            if joins:
+                argv = ["/bin/sh", "-c", _JOIN_CGROUPS, "sh", *joins, "--", *argv]
             preexec = None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()

@@ -244,11 +244,18 @@ async def test_memory_limit_applied_where_the_controller_exists(tmp_path: Path) 
         rt = sup.agents["capped"]
         tree = sup.cgroup_tree
         assert tree is not None and rt.cgroup is not None
+        await wait_for(lambda: rt.pid in cgroups.procs(rt.cgroup), what="joined")
         if "memory" in tree.controllers:
             assert (rt.cgroup / "memory.max").read_text().strip() == str(64 * 1024**2)
+        elif tree.v1_memory is not None:  # hybrid: the limit lives in the v1 hierarchy
+            v1 = tree.v1_memory / "capped"
+            assert (v1 / "memory.limit_in_bytes").read_text().strip() == str(64 * 1024**2)
+            assert str(rt.pid) in (v1 / "cgroup.procs").read_text().split()
+            assert kinds(sup, "agent.limits", "capped")
         else:
             warn = [e.reason for e in kinds(sup, "agent.warning", "capped")]
             assert any("limits.memory not enforced" in w for w in warn), warn
+    assert tree.v1_memory is None or not tree.v1_memory.exists()  # removed at shutdown
 
 
 @needs_cgroups
@@ -327,3 +334,16 @@ async def test_agent_runs_as_the_configured_user_never_root_by_accident(
             rt = sup.agents[name]
             await wait_for(lambda rt=rt: rt.state is AgentState.EXITED, what=f"{name} exits")
             assert str(nobody.pw_uid) in rt.log.lines(10), (name, rt.log.lines(10))
+
+
+@needs_cgroups
+async def test_memory_limit_is_enforced(tmp_path: Path) -> None:
+    text = {"agents": {"hog": {
+        "cmd": [PY, "-c", "x = bytearray(256 * 2**20); import time; time.sleep(30)"],
+        "limits": {"memory": "64MiB"}, "restart": "no"}}}
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["hog"]
+        if any("not enforced" in e.reason for e in kinds(sup, "agent.warning", "hog")):
+            pytest.skip("no memory controller here, in cgroup v2 or v1")
+        await wait_for(lambda: rt.state is AgentState.EXITED, 20, "the OOM kill")
+        assert rt.exit_code == -signal.SIGKILL
