@@ -133,3 +133,35 @@ def test_demo_fleet_in_tmux_freeze_inspect_resume(tmp_path: Path) -> None:
             time.sleep(0.3)
     finally:
         tmux.kill()
+
+
+def test_second_fleettop_attaches_as_a_viewer(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({"agents": {"solo": {"cmd": ["sleep", "1000"]}}}))
+    env = dict(os.environ, TERM="screen-256color")
+    headless = subprocess.Popen([FLEETTOP, "run", "--headless", str(fleet), "--no-telemetry"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    tmux = None
+    try:
+        deadline = time.monotonic() + 30
+        while not paths.socket_path(fleet).exists():
+            assert time.monotonic() < deadline, "headless fleet never came up"
+            time.sleep(0.1)
+        tmux = Tmux(100, 30, f"{FLEETTOP} {fleet}", env)
+        tmux.wait_for("solo", 30)
+        time.sleep(1.0)  # keys sent while the app is still starting can be lost
+        tmux.keys("f")  # the viewer steers the running fleet
+        deadline = time.monotonic() + 10
+        while agent(fleet, env, "solo")["state"] != "frozen":
+            assert time.monotonic() < deadline, "freeze from the viewer never arrived"
+            time.sleep(0.2)
+        tmux.keys("q")
+        time.sleep(1)
+        tmux.keys("s")  # the quit dialog, if shown: quitting a viewer never stops the fleet
+        time.sleep(1.5)
+        assert headless.poll() is None and agent(fleet, env, "solo")["state"] == "frozen"
+    finally:
+        if tmux is not None:
+            tmux.kill()
+        headless.terminate()
+        headless.wait(timeout=30)
