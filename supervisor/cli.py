@@ -21,6 +21,7 @@ PLUGIN_MODULES = {
     "doctor": "fleettop.supervisor.doctor",
     "lock": "fleettop.supervisor.lock_cli",
     "route": "fleettop.supervisor.router",
+    "replay": "fleettop.supervisor.replay",
 }
 
 
