@@ -424,16 +424,16 @@ async def test_sort_keys_and_header_click() -> None:
     async with h.run() as pilot:
         await h.ready(pilot)
         table = h.app.query_one(AgentsTable)
-        first = table.ordered_rows[0].key.value
+        first = table.row_names[0]
         assert first == "coder"
         await pilot.press("O")  # reverse
-        await until(pilot, lambda: table.ordered_rows[0].key.value == "vision")
+        await until(pilot, lambda: table.row_names[0] == "vision")
         await pilot.press("o")  # name → state
         assert h.app.sort_key == "state"
         await pilot.click("#agents", offset=(33, 0))  # the "PID" header
         await until(pilot, lambda: h.app.sort_key == "pid")
         await pilot.press("O")
-        await until(pilot, lambda: table.ordered_rows[0].key.value == "vision")
+        await until(pilot, lambda: table.row_names[0] == "vision")
 
 
 async def test_clickable_freeze_resume_buttons() -> None:

@@ -17,7 +17,7 @@ from textual.containers import Container, Horizontal
 from textual.geometry import Size
 from textual.reactive import reactive
 from textual.timer import Timer
-from textual.widgets import Button, DataTable, Footer, Input, Static
+from textual.widgets import Button, Footer, Input, Static
 
 from . import format as fmt
 from .bindings import APP_BINDINGS, MUTATING_ACTIONS, unknown_ids
@@ -425,16 +425,16 @@ class FleettopApp(App[str | None]):
         self.sort_reverse = not self.sort_reverse
         self._render()
 
-    @on(DataTable.HeaderSelected)
-    def _header_clicked(self, event: DataTable.HeaderSelected) -> None:
-        key = str(event.column_key.value)
+    @on(AgentsTable.HeaderSelected)
+    def _header_clicked(self, event: AgentsTable.HeaderSelected) -> None:
+        key = event.column_key
         if key == self.sort_key:
             self.sort_reverse = not self.sort_reverse
         else:
             self.sort_key, self.sort_reverse = key, False
         self._render()
 
-    @on(DataTable.RowSelected)
+    @on(AgentsTable.RowSelected)
     def _row_selected(self) -> None:
         self.action_inspect()
 

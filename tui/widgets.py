@@ -1,7 +1,7 @@
 """The main screen's widgets: the agents table and the side panels.
 
 Each widget takes the snapshot (or its slice) and touches the screen only when what it shows
-changed: the table updates single cells, panels re-render only on a different text.
+changed: the table repaints single rows, panels re-render only on a different text.
 """
 
 from __future__ import annotations
@@ -10,16 +10,13 @@ from collections import deque
 from typing import Any
 
 from rich.text import Text
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 from . import format as fmt
-from .columns import Agent, Column, columns_for, ordered, row_cells
+from .table import STATE_STYLES, AgentsTable
 
-STATE_STYLES = {
-    "running": "green", "frozen": "bold cyan", "tripped": "bold red", "waiting": "yellow",
-    "failed": "bold red", "backoff": "magenta", "external": "blue",
-}
-"""State colours; the text already says the state, colour only helps."""
+__all__ = ["STATE_STYLES", "AgentsTable", "EventsPanel", "LeakPanel", "LockPanel", "Panel",
+           "StatusLine", "VramPanel"]
 
 HISTORY = 120
 """Samples kept per series for sparklines (two minutes at 1 Hz)."""
@@ -32,69 +29,6 @@ def not_available(snapshot: dict[str, Any], component: str, default: str) -> str
         if isinstance(comp, dict) and comp.get("name") == component and comp.get("reason"):
             reason = reason or comp["reason"]
     return f"not available: {reason or default}"
-
-
-class AgentsTable(DataTable[str]):
-    """One row per agent (and per watched external PID); diffs cells between polls."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)
-        self._cols: list[Column] = []
-        self._compact: bool | None = None
-        self._cells: dict[str, list[str]] = {}
-        self._order: list[str] = []
-        self.cell_updates = 0
-        """Cells written since mount (the bench and the tests read it)."""
-
-    @property
-    def selected_name(self) -> str | None:
-        """Name (row key) under the cursor, or None when the table is empty."""
-        if not self._order or self.cursor_row < 0 or self.cursor_row >= len(self._order):
-            return None
-        return self._order[self.cursor_row]
-
-    def show(self, agents: list[Agent], *, compact: bool, sort_key: str, reverse: bool,
-             needle: str) -> None:
-        """Render agents; only cells whose text changed are written."""
-        from .columns import matches
-
-        if compact != self._compact:
-            self._compact = compact
-            self._cols = columns_for(compact)
-            self.clear(columns=True)
-            for c in self._cols:
-                self.add_column(c.label, width=c.width, key=c.key)
-            self._cells.clear()
-            self._order = []
-        rows = [a for a in ordered(agents, sort_key, reverse) if matches(a, needle)]
-        order = [str(a.get("name")) for a in rows]
-        cells = {str(a.get("name")): row_cells(a, self._cols) for a in rows}
-        states = {str(a.get("name")): fmt.display_state(a) for a in rows}
-        if order != self._order:
-            keep = self.selected_name
-            self.clear()
-            for name in order:
-                self.add_row(*self._styled(cells[name], states[name]), key=name)
-                self.cell_updates += len(self._cols)
-            self._order = order
-            self._cells = cells
-            if keep in order:
-                self.move_cursor(row=order.index(keep), animate=False)
-            return
-        for name in order:
-            old, new = self._cells.get(name), cells[name]
-            for i, (a, b) in enumerate(zip(old or [], new, strict=False)):
-                if a != b:
-                    value = self._styled(new, states[name])[i]
-                    self.update_cell(name, self._cols[i].key, value)
-                    self.cell_updates += 1
-        self._cells = cells
-
-    def _styled(self, cells: list[str], state: str) -> list[str | Text]:
-        style = STATE_STYLES.get(state, "")
-        out: list[str | Text] = list(cells)
-        out[1] = Text(cells[1], style=style)
-        return out
 
 
 class Panel(Static):
@@ -126,7 +60,7 @@ class Panel(Static):
     def show_text(self, text: Text) -> None:
         if text != self._last:
             self._last = text
-            self.update(text)
+            self.update(text, layout=False)  # fixed-size boxes: no reflow of the screen
 
     @property
     def text(self) -> str:
@@ -292,4 +226,4 @@ class StatusLine(Static):
             text.append(f"  ✗ {error}", style="bold red")
         if text != self._last:
             self._last = text
-            self.update(text)
+            self.update(text, layout=False)  # fixed-size boxes: no reflow of the screen
