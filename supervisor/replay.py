@@ -210,8 +210,8 @@ def replay_stream(data: bytes, fmt: str, params: ReplayParams, name: str = "") -
     elif trip is None:
         ctype = "text/event-stream" if fmt == "sse" else "application/x-ndjson"
         parser = wire.ResponseParser("ollama_chat" if fmt == "ndjson" else None, ctype)
-        for i in range(0, len(data) + 1, READ_CHUNK):
-            chunk = data[i : i + READ_CHUNK]
+        chunks = [data[i : i + READ_CHUNK] for i in range(0, len(data), READ_CHUNK)]
+        for chunk in [*chunks, b""]:  # b"": end of body, as mitmproxy signals it
             deltas = parser.feed(chunk) if chunk else parser.finish()
             trip = flow.feed("".join(deltas), parser.info, final=not chunk)
             if trip is not None:
