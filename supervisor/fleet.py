@@ -97,6 +97,7 @@ class Supervisor:
         self._pidfds: dict[str, int] = {}
         self._pipes: dict[str, list[int]] = {}
         self._exit_waiters: dict[str, asyncio.Event] = {}
+        self._start_tasks: dict[str, asyncio.Task[Any]] = {}
         self._cpu_prev: dict[str, tuple[float, float]] = {}
         self._stats_cache: dict[str, tuple[float, dict[str, Any]]] = {}
         self._closing = False
@@ -154,6 +155,7 @@ class Supervisor:
         for level in self._levels():
             waits = {d for n in level for d in self.agents[n].spec.depends_on}
             await self._dependencies_ready(sorted(waits))
+            starts = []
             for name in level:
                 rt = self.agents[name]
                 if not rt.spec.enabled:
@@ -162,7 +164,12 @@ class Supervisor:
                 if rt.spec.schedule:
                     self._schedule_next(rt)
                 else:
-                    await self._start(rt, "fleet start")
+                    starts.append(self._start_task(rt, "fleet start"))
+            # A start can wait (for the GPU lock): the rest of its level goes on meanwhile,
+            # and the next level waits only for its own dependencies, not for the queue.
+            if starts:
+                await asyncio.wait(starts, timeout=0)
+                await asyncio.sleep(0)
 
     async def _dependencies_ready(self, names: list[str]) -> None:
         """Wait for the readiness probes of these agents (those that have one)."""
@@ -200,6 +207,21 @@ class Supervisor:
         for name, lvl in level.items():
             out[lvl].append(name)
         return out
+
+    def _start_task(self, rt: AgentRuntime, why: str) -> asyncio.Task[Any]:
+        """Start in a task of its own: a start hook may wait (for the GPU lock), and a stop
+        must be able to cancel that wait."""
+        task = self._spawn_task(self._start(rt, why))
+        self._start_tasks[rt.name] = task
+        return task
+
+    async def _start_and_report(self, rt: AgentRuntime, why: str) -> dict[str, Any]:
+        task = self._start_task(rt, why)
+        await asyncio.wait([task], timeout=1.0)
+        if rt.state is AgentState.WAITING:
+            return {"ok": True, "state": rt.state.value, "reason": rt.reason}
+        return {"ok": rt.state is AgentState.RUNNING, "state": rt.state.value,
+                **({} if rt.state is AgentState.RUNNING else {"error": rt.reason})}
 
     async def _start(self, rt: AgentRuntime, why: str) -> None:
         if rt.state in (AgentState.RUNNING, AgentState.STARTING, AgentState.FROZEN,
@@ -473,7 +495,7 @@ class Supervisor:
         if rt.state is AgentState.BACKOFF:
             rt.restarts += 1
             rt.next_run = None
-            self._spawn_task(self._start(rt, f"restart #{rt.restarts} ({rt.spec.restart})"))
+            self._start_task(rt, f"restart #{rt.restarts} ({rt.spec.restart})")
 
     def _kill_leftovers(self, rt: AgentRuntime) -> None:
         if rt.cgroup is not None and rt.cgroup.exists():
@@ -518,7 +540,7 @@ class Supervisor:
             return
         if rt.state is AgentState.STOPPED and rt.stop_requested:
             return
-        self._spawn_task(self._start(rt, "cron schedule"))
+        self._start_task(rt, "cron schedule")
 
     # ---- freeze / resume ----------------------------------------------------------------
 
@@ -620,6 +642,10 @@ class Supervisor:
             timer.cancel()
         rt.stop_requested = True
         rt.next_run = None
+        pending = self._start_tasks.pop(name, None)
+        if pending is not None and not pending.done() and rt.pid is None:
+            pending.cancel()  # e.g. stop waiting for the GPU lock (its ticket is withdrawn)
+            await asyncio.wait([pending], timeout=2.0)
         if rt.pid is None:
             if rt.state not in (AgentState.STOPPED,):
                 self._set_state(rt, AgentState.STOPPED, reason)
@@ -660,22 +686,18 @@ class Supervisor:
             await self.stop_agent(name, reason="restart requested")
         rt.attempt = 0
         rt.restarts += 1
-        await self._start(rt, "restarted by user")
-        return {"ok": rt.state is AgentState.RUNNING, "state": rt.state.value,
-                **({} if rt.state is AgentState.RUNNING else {"error": rt.reason})}
+        return await self._start_and_report(rt, "restarted by user")
 
     async def start_agent(self, name: str) -> dict[str, Any]:
         rt = self._agent(name)
-        if rt.pid is not None:
+        if rt.pid is not None or rt.state is AgentState.WAITING:
             return {"ok": True, "already": True, "state": rt.state.value}
         timer = self._timers.pop(name, None)
         if timer is not None:
             timer.cancel()
         rt.attempt = 0
         rt.failures.clear()
-        await self._start(rt, "started by user")
-        return {"ok": rt.state is AgentState.RUNNING, "state": rt.state.value,
-                **({} if rt.state is AgentState.RUNNING else {"error": rt.reason})}
+        return await self._start_and_report(rt, "started by user")
 
     async def shutdown(self, frozen: str = "stop") -> None:
         """Stop every agent in reverse dependency order, then remove cgroups and the reaper."""
