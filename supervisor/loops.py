@@ -101,12 +101,26 @@ def hamming(a: int, b: int) -> int:
 
 def _fold(hashes: np.ndarray) -> int:
     """Sign of the per-bit vote over a set of 64-bit feature hashes → 64-bit fingerprint."""
-    if hashes.size == 0:
+    n = int(hashes.size)
+    if n == 0:
         return 0
-    bits = np.unpackbits(hashes.astype("<u8").view(np.uint8)).reshape(-1, 64)
-    ones = bits.sum(axis=0, dtype=np.int64)
-    packed = np.packbits(ones * 2 > hashes.size)
-    return int.from_bytes(packed.tobytes(), "big")
+    bits = np.unpackbits(hashes.astype("<u8", copy=False).view(np.uint8))
+    if n < 256:
+        # Each bit is one byte here: summing the rows as 8 uint64 words adds 8 byte lanes at
+        # once, and no lane can carry while fewer than 256 rows are summed.
+        ones = bits.view(np.uint64).reshape(n, 8).sum(axis=0).view(np.uint8)
+    else:
+        ones = bits.reshape(n, 64).sum(axis=0, dtype=np.int64)
+    return int.from_bytes(np.packbits(ones > (n >> 1)).tobytes(), "big")
+
+
+def _distinct(hashes: np.ndarray) -> np.ndarray:
+    # Sort + neighbour compare: several times cheaper than np.unique's hash table for ~256.
+    s = np.sort(hashes)
+    keep = np.empty(s.size, dtype=bool)
+    keep[:1] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
@@ -117,18 +131,23 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def simhash_chars(text: str, n: int = 5) -> int:
-    """64-bit SimHash over the set of char n-grams (stable across processes)."""
+def _gram_hashes(text: str, n: int = 5) -> np.ndarray:
+    """Mixed 64-bit hashes of every char n-gram of `text`, one per start position."""
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
     if codes.size < n:
-        if codes.size == 0:
-            return 0
-        n = int(codes.size)
+        return np.empty(0, dtype=np.uint64)
     with np.errstate(over="ignore"):
         h = codes[: codes.size - n + 1].copy()
         for j in range(1, n):
             h = h * _M + codes[j : codes.size - n + 1 + j]
-    return _fold(np.unique(_mix(h)))
+    return _mix(h)
+
+
+def simhash_chars(text: str, n: int = 5) -> int:
+    """64-bit SimHash over the set of char n-grams (stable across processes)."""
+    if not text:
+        return 0
+    return _fold(_distinct(_gram_hashes(text, min(n, len(text)))))
 
 
 def _feature_hash(feature: str) -> int:
@@ -145,7 +164,8 @@ def simhash_features(features: set[str]) -> int:
 
 # --- normalisation -------------------------------------------------------------------------
 
-_WS_RUN = re.compile(r"\s+|\S+")
+_NL_RUN = re.compile(r"\s*\n\s*")
+_SP_RUN = re.compile(r"[^\S\n]+")
 
 
 class Normaliser:
@@ -158,18 +178,23 @@ class Normaliser:
         self._started = False
 
     def feed(self, delta: str) -> str:
-        out: list[str] = []
-        for m in _WS_RUN.finditer(delta):
-            piece = m.group()
-            if piece[0].isspace():
-                self._pending = "\n" if ("\n" in piece or self._pending == "\n") else " "
-            else:
-                if self._pending and self._started:
-                    out.append(self._pending)
-                self._pending = ""
-                self._started = True
-                out.append(piece.lower())
-        return "".join(out)
+        # Two C-speed substitutions, then only the delta's two ends need care.
+        s = _SP_RUN.sub(" ", _NL_RUN.sub("\n", delta.lower()))
+        if not s:
+            return ""
+        if s[0] in " \n":
+            self._pending = "\n" if (s[0] == "\n" or self._pending == "\n") else " "
+            s = s[1:]
+            if not s:
+                return ""
+        tail = ""
+        if s[-1] in " \n":
+            tail, s = s[-1], s[:-1]
+        if self._pending and self._started:
+            s = self._pending + s
+        self._started = True
+        self._pending = tail
+        return s
 
 
 # --- generation loops ----------------------------------------------------------------------
@@ -207,6 +232,9 @@ class LoopDetector:
         self._next_c = self.p.c_window
         self._windows: deque[tuple[int, int]] = deque()
         self._c_hits = 0
+        # 5-gram hashes by absolute position, computed once: windows overlap 4x.
+        self._grams = np.empty(0, dtype=np.uint64)
+        self._g_start = 0
 
     @property
     def n(self) -> int:
@@ -265,13 +293,16 @@ class LoopDetector:
             block = buf[length - period :]
             copies = p.a_long_copies if period >= p.a_long_period else p.a_copies
             cover = max(copies * period, p.a_min_cover)
-            chars = set(block) - {" ", "\n"}
-            if len(chars) <= 1 and not any(c.isalnum() for c in chars):
-                cover = max(cover, p.a_sep_cover)  # a rule of ==== or ---- is not a loop
             if cover > length:
                 continue
             if buf[length - cover + period :] != buf[length - cover : length - period]:
-                continue
+                continue  # cheap rejection first: most candidates end here
+            chars = set(block) - {" ", "\n"}
+            if len(chars) <= 1 and not any(c.isalnum() for c in chars):
+                cover = max(cover, p.a_sep_cover)  # a rule of ==== or ---- is not a loop
+                if cover > length or (buf[length - cover + period :]
+                                      != buf[length - cover : length - period]):
+                    continue
             start = length - cover
             while start > 0 and buf[start - 1] == buf[start - 1 + period]:
                 start -= 1
@@ -352,12 +383,22 @@ class LoopDetector:
     def _tier_c(self) -> Trip | None:
         p = self.p
         trip = None
+        if self.n < self._next_c:
+            return None
+        g_end = self._g_start + self._grams.size
+        first = max(g_end, self._next_c - p.c_window)
+        fresh = _gram_hashes(self.buf[first - self.base :])
+        if first > g_end:
+            self._grams, self._g_start = fresh, first
+        else:
+            self._grams = np.concatenate((self._grams, fresh))
         while self.n >= self._next_c:
             end = self._next_c
             self._next_c += p.c_stride
             rel = end - self.base
             window = self.buf[rel - p.c_window : rel]
-            fp = simhash_chars(window)
+            lo = end - p.c_window - self._g_start
+            fp = _fold(_distinct(self._grams[lo : lo + p.c_window - 4]))
             while self._windows and self._windows[0][0] < end - p.c_max_lag:
                 self._windows.popleft()
             best: tuple[int, int, int] | None = None
@@ -388,6 +429,10 @@ class LoopDetector:
                         "max_distance": p.c_max_distance,
                     },
                 )
+        drop = self._next_c - p.c_window - self._g_start
+        if drop > 0:
+            self._grams = self._grams[drop:]
+            self._g_start += drop
         return trip
 
 
