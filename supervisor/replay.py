@@ -28,12 +28,12 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fleettop.probes import wire
-from fleettop.supervisor.budget import BudgetParams, BudgetTracker, Price, cost_of
-from fleettop.supervisor.leaks import replay_trace
-from fleettop.supervisor.loops import LoopDetector, LoopParams, RetryDetector, Trip
+if TYPE_CHECKING:  # numpy, brotli and zstandard load on replay, not with every CLI command
+    from fleettop.probes import wire
+    from fleettop.supervisor.budget import BudgetParams, BudgetTracker, Price
+    from fleettop.supervisor.loops import LoopParams, Trip
 
 FORMATS = ("sse", "ndjson", "text", "requests", "incident", "memory")
 DELTA_CHARS = 32
@@ -52,11 +52,20 @@ class BadInput(Exception):
 class ReplayParams:
     """The thresholds the proxy would use for one agent."""
 
-    loop: LoopParams = field(default_factory=LoopParams)
-    budget: BudgetParams = field(default_factory=BudgetParams)
+    loop: LoopParams = None  # type: ignore[assignment]  # None → the defaults
+    budget: BudgetParams = None  # type: ignore[assignment]
     prices: dict[str, Price] = field(default_factory=dict)
     enabled: bool = True
     memory_limit: float | None = None
+
+    def __post_init__(self) -> None:
+        from fleettop.supervisor.budget import BudgetParams
+        from fleettop.supervisor.loops import LoopParams
+
+        if self.loop is None:
+            object.__setattr__(self, "loop", LoopParams())
+        if self.budget is None:
+            object.__setattr__(self, "budget", BudgetParams())
 
     @classmethod
     def from_fleet(cls, fleet: Any, agent: str | None = None,
@@ -144,6 +153,8 @@ class _StreamReplay:
 
     def __init__(self, params: ReplayParams, budget: BudgetTracker, now: float = 0.0,
                  est_in: int = 0) -> None:
+        from fleettop.supervisor.loops import LoopDetector
+
         self.p = params
         self.detector = LoopDetector(params.loop)
         self.budget = budget
@@ -171,6 +182,9 @@ class _StreamReplay:
         return self.trip
 
     def account(self, info: wire.Extract | None) -> None:
+        from fleettop.probes import wire
+        from fleettop.supervisor.budget import cost_of
+
         if info is not None and info.model:
             self.model = info.model
         tin = info.tokens_in if info is not None and info.tokens_in is not None else self.est_in
@@ -201,6 +215,9 @@ def _verdict(name: str, fmt: str, trip: Trip | None, **extra: Any) -> dict[str, 
 
 def replay_stream(data: bytes, fmt: str, params: ReplayParams, name: str = "") -> dict[str, Any]:
     """An SSE or NDJSON response body (or plain text) through the parser and LoopDetector."""
+    from fleettop.probes import wire
+    from fleettop.supervisor.budget import BudgetTracker
+
     budget = BudgetTracker(params.budget)
     trip = budget.on_request(0.0)
     flow = _StreamReplay(params, budget)
@@ -245,6 +262,10 @@ def replay_requests(records: Iterable[tuple[float | None, dict[str, Any] | None]
                     params: ReplayParams, budget: BudgetTracker | None = None
                     ) -> tuple[Trip | None, int]:
     """Successive requests of one agent, in the addon's order: budget, then retry."""
+    from fleettop.probes import wire
+    from fleettop.supervisor.budget import BudgetTracker, cost_of
+    from fleettop.supervisor.loops import RetryDetector
+
     budget = budget or BudgetTracker(params.budget)
     retry = RetryDetector(params.loop)
     t0: float | None = None
@@ -277,6 +298,8 @@ def replay_request_log(data: bytes, params: ReplayParams, name: str = "") -> dic
 
 def replay_incident(folder: Path, params: ReplayParams, name: str = "") -> dict[str, Any]:
     """An incident folder: its requests, then its response text, against the recorded trip."""
+    from fleettop.supervisor.budget import BudgetTracker
+
     files = {p.name for p in folder.iterdir()}
     if not files & {"event.json", "response.txt", "requests.jsonl"}:
         raise BadInput("not an incident folder (no event.json, response.txt or requests.jsonl)")
@@ -342,6 +365,8 @@ def replay_path(path: str | Path, fmt: str | None = None,
         raise BadInput(f"is a folder (only an incident can be; --format {fmt} given)")
     data = read_input(path)
     if fmt == "memory":
+        from fleettop.supervisor.leaks import replay_trace
+
         result = dict(replay_trace(_memory_rows(data), limit=params.memory_limit, name=name))
         result["format"] = "memory"
         result["kind"] = "leak" if result["verdict"] == "leak" else None
