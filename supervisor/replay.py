@@ -115,7 +115,7 @@ def _json_object(line: bytes) -> dict[str, Any] | None:
 
 def _request_body(obj: dict[str, Any]) -> dict[str, Any] | None:
     """A request body from a log line: the body itself, or an incident record's `body`."""
-    if "messages" in obj or "prompt" in obj:
+    if "messages" in obj or "prompt" in obj or ("input" in obj and "model" in obj):
         return obj
     body = obj.get("body")
     if isinstance(body, dict) and ("messages" in body or "prompt" in body or "input" in body):
@@ -353,17 +353,17 @@ def replay_path(path: str | Path, fmt: str | None = None,
     params = params or ReplayParams()
     path = Path(path)
     name = str(path)
+    data = None if path.is_dir() else read_input(path)
     if fmt is None:
-        fmt = sniff(path)
+        fmt = sniff(path, data)
     if fmt not in FORMATS:
         raise BadInput(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     if fmt == "incident":
         if not path.is_dir():
             raise BadInput("an incident is a folder")
         return replay_incident(path, params, name)
-    if path.is_dir():
+    if data is None:
         raise BadInput(f"is a folder (only an incident can be; --format {fmt} given)")
-    data = read_input(path)
     if fmt == "memory":
         from fleettop.supervisor.leaks import replay_trace
 
