@@ -381,7 +381,9 @@ def replay_path(path: str | Path, fmt: str | None = None,
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "replay", help="run recorded traffic or memory traces through the detectors",
-        description=__doc__.splitlines()[0])
+        description="Run recorded traffic (response streams, request logs, incident folders) "
+                    "and memory traces through the detectors the proxy runs; one verdict per "
+                    "input. Exit 0: all ok, 1: a loop or leak, 2: unreadable input.")
     p.add_argument("paths", nargs="+", metavar="PATH",
                    help="response stream, request log, memory trace or incident folder")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -441,6 +443,9 @@ def run(args: argparse.Namespace) -> int:
         limit = float(parse_size(args.limit)) if args.limit else None
     except ValueError as exc:
         print(f"--limit: {exc}", file=sys.stderr)
+        return 2
+    if args.agent and not args.config:
+        print("--agent needs --config (the fleet file that declares the agent)", file=sys.stderr)
         return 2
     fleet = None
     if args.config:
