@@ -113,6 +113,7 @@ class FleettopProxy:
         self._tokens_mtime = -1.0
         self._authed: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._stats_task: asyncio.Task[None] | None = None
+        self._prices = self.proxy.price_table()  # rebuilt on config, not per chunk
 
     # --- options -------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
@@ -145,6 +146,7 @@ class FleettopProxy:
         self.overrides = {name: AgentBreakerSection.model_validate(o)
                           for name, o in (raw.get("agents") or {}).items() if o}
         self.reverse_ports = {int(p): a for p, a in (raw.get("reverse_ports") or {}).items()}
+        self._prices = self.proxy.price_table()
         for name, agent in self.agents.items():
             agent.breaker = self.breaker.merged(self.overrides.get(name))
             agent.budget.p = agent.breaker.budget_params()
@@ -296,11 +298,14 @@ class FleettopProxy:
                  final: bool) -> Trip | None:
         agent = st.agent
         trip = None
-        for delta in deltas:
-            agent.add_text(delta)
-            st.chars_out += len(delta)
-            if trip is None and agent.breaker.enabled:
-                trip = st.detector.feed(delta)
+        if deltas:
+            # One detector call per upstream read: the detector's verdicts do not depend on
+            # how the text is cut, and its fixed cost per call is most of its cost per chunk.
+            text = deltas[0] if len(deltas) == 1 else "".join(deltas)
+            agent.add_text(text)
+            st.chars_out += len(text)
+            if agent.breaker.enabled:
+                trip = st.detector.feed(text)
         info = parser.info
         if info.model:
             agent.last_model = info.model
@@ -311,7 +316,7 @@ class FleettopProxy:
         if d_in or d_out:
             st.booked_in += d_in
             st.booked_out += d_out
-            cost = cost_of(agent.last_model, d_in, d_out, self.proxy.price_table())
+            cost = cost_of(agent.last_model, d_in, d_out, self._prices)
             budget_trip = agent.budget.on_usage(time.time(), d_in, d_out, cost)
             trip = trip or budget_trip
         return trip

@@ -13,6 +13,8 @@ from typing import Any
 
 from fleettop.supervisor.loops import Trip
 
+_BUCKET_S = 1.0
+
 
 @dataclass(frozen=True)
 class BudgetParams:
@@ -95,7 +97,12 @@ class BudgetTracker:
         self.total_tokens_in += tokens_in
         self.total_tokens_out += tokens_out
         self.total_cost += cost
-        self._usage.append((now, tokens_in + tokens_out, cost))
+        if self._usage and now - self._usage[-1][0] < _BUCKET_S:
+            # One entry per second, not per chunk: the window stays small at any stream rate.
+            ts, tokens, spent = self._usage[-1]
+            self._usage[-1] = (ts, tokens + tokens_in + tokens_out, spent + cost)
+        else:
+            self._usage.append((now, tokens_in + tokens_out, cost))
         self._win_tokens += tokens_in + tokens_out
         self._win_cost += cost
         tokens, spent = self.window_usage(now)
