@@ -368,8 +368,9 @@ def test_real_proxy_incidents_replay_to_the_same_verdict(real_incidents, capsys)
     r = replay_path(loop["incident"])
     assert (r["verdict"], r["kind"], r["reproduced"]) == ("loop", "generation", True)
     assert r["evidence"]["tier"] == loop["evidence"]["tier"]
-    # The ring held this one response only; the proxy saw 11-char deltas, replay feeds 32.
-    assert abs(r["at_char"] - loop["at_char"]) <= 48, (r["at_char"], loop["at_char"])
+    # The ring held this one response only. The proxy trips at the end of an upstream read
+    # (one or more 11-char events), replay at the end of a 32-char delta: close, not equal.
+    assert -64 <= loop["at_char"] - r["at_char"] <= 1024, (r["at_char"], loop["at_char"])
     r = replay_path(retry["incident"])
     assert (r["verdict"], r["kind"], r["reproduced"]) == ("loop", "retry", True)
     assert r["at_request"] == retry["at_request"]
