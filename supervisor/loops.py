@@ -15,9 +15,10 @@ Generation (`LoopDetector.feed(delta) -> Trip | None`), three tiers, any one tri
      within `c_max_distance` bits of a non-overlapping earlier one, `c_consecutive` times in a row.
   B and C pause inside ``` fences: similar code lines sit 6-9 bits apart. A stays on everywhere.
 Retry (`RetryDetector.feed(body) -> Trip | None`): only the newest content of each request (last
-messages) with UUIDs, timestamps, hex ids and counters masked; a request within
-`retry_max_distance` bits of one of the recent ones, with the same remaining numbers (changing
-numbers are progress, e.g. polling), is a repeat; `retry_repeats` in a row trip.
+messages) with UUIDs, timestamps, hex ids and counters masked; a request is a repeat of one of
+the last `retry_repeats // 2` when the program-written text is equal, the remaining numbers are
+the same (changing numbers are progress, e.g. polling) and the model's own text is within
+`retry_max_distance` bits; `retry_repeats` in a row trip.
 Defaults are tuned on tests/data (research D: 64-bit SimHash, legit structured text reaches 6-7).
 """
 
@@ -34,7 +35,7 @@ import numpy as np
 
 __all__ = [
     "LoopParams", "Trip", "Normaliser", "LoopDetector", "RetryDetector", "hamming",
-    "simhash_chars", "simhash_features", "request_tail", "mask_volatile",
+    "simhash_chars", "simhash_features", "request_tail", "request_parts", "mask_volatile",
 ]
 
 
@@ -66,6 +67,7 @@ class LoopParams:
     retry_repeats: int = 6
     retry_tail_messages: int = 2
     retry_prompt_chars: int = 1024
+    retry_fuzzy_chars: int = 64
 
 
 @dataclass
@@ -481,8 +483,12 @@ def _content_text(content: Any) -> str:
     return str(content)
 
 
-def request_tail(body: Any, messages: int = 2, prompt_chars: int = 1024) -> str | None:
-    """The newest content of an LLM request body (chat, responses, completions, generate)."""
+_MODEL_ROLES = ("assistant", "model", "function_call", "reasoning")
+
+
+def request_parts(body: Any, messages: int = 2,
+                  prompt_chars: int = 1024) -> list[tuple[str, str]] | None:
+    """The newest content of an LLM request body as (role, text) pairs; "" role: a prompt."""
     if not isinstance(body, dict):
         return None
     msgs = body.get("messages")
@@ -497,29 +503,48 @@ def request_tail(body: Any, messages: int = 2, prompt_chars: int = 1024) -> str 
                     text += " " + _content_text(msg["tool_calls"])
                 if not msg.get("content") and not msg.get("tool_calls"):
                     text += " " + _content_text(msg)
-                out.append(f"{msg.get('role', '')}: {text}")
+                out.append((str(msg.get("role") or msg.get("type") or ""), text))
             else:
-                out.append(_content_text(msg))
-        return "\n".join(out)
+                out.append(("", _content_text(msg)))
+        return out
     for key in ("prompt", "input"):
         value = body.get(key)
         if isinstance(value, str):
-            return value[-prompt_chars:]
+            return [("", value[-prompt_chars:])]
         if isinstance(value, list) and value and isinstance(value[-1], str):
-            return value[-1][-prompt_chars:]
+            return [("", value[-1][-prompt_chars:])]
     return None
+
+
+def request_tail(body: Any, messages: int = 2, prompt_chars: int = 1024) -> str | None:
+    """The newest content of an LLM request body (chat, responses, completions, generate)."""
+    parts = request_parts(body, messages, prompt_chars)
+    if parts is None:
+        return None
+    return "\n".join(f"{role}: {text}" if role else text for role, text in parts)
 
 
 @dataclass
 class _Seen:
     index: int
+    exact: tuple[str, ...]
+    fuzzy: str
     fp: int
     numbers: tuple[str, ...]
     text: str
 
 
 class RetryDetector:
-    """Retry loops across one agent's requests; feed it each request body (parsed JSON)."""
+    """Retry loops across one agent's requests; feed it each request body (parsed JSON).
+
+    A retry re-sends the same new content. So the text the program wrote (user, tool, system
+    messages, prompts) must be equal once normalised and masked: templated work where a topic,
+    a file name or an id changes is progress. Only the model's own text (assistant messages,
+    `retry_fuzzy_chars` or longer) may differ, within `retry_max_distance` bits, since sampling
+    rephrases it. The match must lie within `repeats // 2` requests back (capped by
+    `retry_history`): a cycle counts once it comes round twice within `retry_repeats`
+    requests, so a worker cycling through a longer list of tasks is not a loop.
+    """
 
     def __init__(self, params: LoopParams | None = None) -> None:
         self.p = params or LoopParams()
@@ -529,31 +554,46 @@ class RetryDetector:
         self._evidence: list[dict[str, Any]] = []
 
     def feed(self, body: Any) -> Trip | None:
-        tail = request_tail(body, self.p.retry_tail_messages, self.p.retry_prompt_chars)
+        p = self.p
+        parts = request_parts(body, p.retry_tail_messages, p.retry_prompt_chars)
         index = self.requests
         self.requests += 1
-        if tail is None:
+        if parts is None:
             return None
-        masked = mask_volatile(" ".join(tail.lower().split()))
-        fp = simhash_chars(masked)
+        exact: list[str] = []
+        fuzzy: list[str] = []
+        for role, text in parts:
+            masked_part = mask_volatile(" ".join(text.lower().split()))
+            if role in _MODEL_ROLES and len(masked_part) >= p.retry_fuzzy_chars:
+                fuzzy.append(masked_part)
+                exact.append(role)
+            else:
+                exact.append(f"{role}: {masked_part}")
+        masked = "\n".join(exact + fuzzy)
+        fuzzy_text = "\n".join(fuzzy)
+        fp = simhash_chars(fuzzy_text) if fuzzy_text else 0
         numbers = tuple(_NUMBER.findall(masked))
         match: tuple[int, _Seen] | None = None
-        for seen in self._seen:
-            d = hamming(fp, seen.fp)
-            if d <= self.p.retry_max_distance and seen.numbers == numbers and (
-                match is None or d < match[0]
-            ):
+        lag_limit = max(1, min(p.retry_history, p.retry_repeats // 2))
+        recent = list(self._seen)[-lag_limit:]
+        key = tuple(exact)
+        for seen in recent:
+            if seen.exact != key or seen.numbers != numbers:
+                continue
+            d = 0 if seen.fuzzy == fuzzy_text else hamming(fp, seen.fp)
+            if d <= p.retry_max_distance and (match is None or d < match[0]):
                 match = (d, seen)
-        self._seen.append(_Seen(index, fp, numbers, masked[:512]))
+        self._seen.append(_Seen(index, key, fuzzy_text, fp, numbers, masked[:512]))
         if match is None:
             self.streak = 0
             self._evidence = []
             return None
         self.streak += 1
         self._evidence.append({"request": index, "matches_request": match[1].index,
+                               "lag": index - match[1].index,
                                "distance": match[0], "fingerprint": f"{fp:016x}"})
-        self._evidence = self._evidence[-self.p.retry_repeats:]
-        if self.streak + 1 < self.p.retry_repeats:
+        self._evidence = self._evidence[-p.retry_repeats:]
+        if self.streak + 1 < p.retry_repeats:
             return None
         trip = Trip(
             "retry_loop",

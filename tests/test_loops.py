@@ -138,12 +138,48 @@ def test_request_tail_reads_each_wire_format():
 
 def test_retry_corpus():
     rows = _load("request_corpus.jsonl.gz")
+    assert {"template_cycle", "template_files", "template_ids", "template_chat"} <= {
+        r["category"] for r in rows if r["label"] == "legit"}
+    caught = {}
     for row in rows:
         det = RetryDetector()
         trips = [t for body in row["requests"] if (t := det.feed(body)) is not None]
         if row["label"] == "legit":
             assert trips == [], row["id"]
-        else:
-            assert trips, row["id"]
+            continue
+        caught.setdefault(row["category"], []).append(bool(trips))
+        if trips:
             assert trips[0].kind == "retry_loop" and trips[0].at_request <= 7
             assert trips[0].evidence["hits"] and trips[0].evidence["repeats"] >= 6
+    # Re-sends of program-written text are all caught; a model rephrasing its own message
+    # is caught while the rephrasing stays within the Hamming threshold.
+    for category, hits in caught.items():
+        assert all(hits) or category == "rephrased", category
+    flat = [h for hits in caught.values() for h in hits]
+    assert sum(flat) / len(flat) >= 0.97
+
+
+def _chat(text: str, role: str = "user") -> dict:
+    return {"model": "m", "messages": [{"role": role, "content": text}]}
+
+
+def test_templated_requests_are_progress_not_retries():
+    # The demo `leaky`/`chat` agents: 8 topics cycled, a turn counter in front.
+    topics = ["GPU scheduling", "log rotation", "retry backoff", "model quantisation",
+              "memory leaks", "cron jitter", "prompt caching", "context windows"]
+    det = RetryDetector()
+    for turn in range(1, 100):
+        prompt = f"Turn {turn}: explain {topics[turn % 8]} in a few sentences."
+        assert det.feed(_chat(prompt)) is None
+    det = RetryDetector()
+    for name in ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]:
+        assert det.feed(_chat(f"Summarise src/{name}.py in three bullet points.")) is None
+
+
+def test_retries_of_the_same_prompt_trip():
+    det = RetryDetector()
+    trips = [t for i in range(8) if (t := det.feed(_chat("Summarise the nightly report.")))]
+    assert trips and trips[0].at_request == 5 and trips[0].evidence["hits"][0]["lag"] == 1
+    det = RetryDetector()
+    prompts = [f"[{i}] Summarise the nightly report." for i in range(8)]  # a changing number
+    assert all(det.feed(_chat(p)) is None for p in prompts)

@@ -11,9 +11,11 @@ docstrings of a fixed list of stdlib modules, so no network is needed; everythin
 from seeded random choices.
 
 Request corpus: {id, label, category, requests: [chat request bodies in order]} for the retry
-detector: legit multi-turn agents, batches, polling with progress, agents sharing a system prompt;
-loops: exact re-sends, re-sends with fresh UUIDs/timestamps/attempt counters, error feedback,
-A/B ping-pong, the same tool call again and again.
+detector: legit multi-turn agents, batches, polling with progress, agents sharing a system prompt,
+templated work where a word changes (a topic list cycled with a turn counter, file names in a
+long template, ids without digits, templated questions in a chat); loops: exact re-sends,
+re-sends with fresh UUIDs/timestamps/attempt counters, error feedback, A/B ping-pong, an A/B/C
+cycle, the same tool call again and again, the model rephrasing its message on each retry.
 """
 
 from __future__ import annotations
@@ -427,10 +429,78 @@ def rq_same_tool_call(rng):
     return out
 
 
+TEMPLATE_LONG = ("Read the file below and write a short review. List at most three problems, "
+                 "each with the line it is on and a one-line fix. Do not rewrite the file. "
+                 "Keep the answer under 120 words and use plain text, no markdown. ")
+
+
+def rq_template_cycle(rng):
+    # The demo `leaky` agent: "Turn N: explain TOPIC ..." cycling through a list of topics.
+    topics = rng.sample(WORDS, rng.randint(5, 10))
+    return [req([{"role": "user", "content": f"Turn {i}: explain {topics[i % len(topics)]} "
+                                             f"in a few sentences."}])
+            for i in range(1, rng.randint(16, 30))]
+
+
+def rq_template_files(rng):
+    files = rng.sample(WORDS, 20)
+    return [req([{"role": "system", "content": SYSTEM},
+                 {"role": "user", "content": TEMPLATE_LONG + f"File: src/{f}.py"}])
+            for f in files[: rng.randint(8, 20)]]
+
+
+def rq_template_ids(rng):
+    # ids that are not counters and carry no digits, so nothing masks them
+    ids = ["-".join(rng.sample(NAMES, 2)) for _ in range(20)]
+    verb = rng.choice(["Look up the account of", "Draft a reply to", "Summarise the tickets of"])
+    return [req([{"role": "user", "content": f"{verb} customer {c}."}])
+            for c in ids[: rng.randint(8, 20)]]
+
+
+def rq_template_chat(rng):
+    # multi-turn: the model's answer, then the next templated question
+    cities = rng.sample(CITIES, 12)
+    msgs = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for city in cities[: rng.randint(8, 12)]:
+        msgs = msgs + [{"role": "user", "content": f"What is the weather like in {city}?"}]
+        out.append(req(list(msgs)))
+        msgs = msgs + [{"role": "assistant", "content": sentence(rng)}]
+    return out
+
+
+def rq_cycle3(rng):
+    calls = [f"Open {word(rng)}.py" for _ in range(3)]
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": sentence(rng)}]
+    out = []
+    for i in range(rng.randint(10, 16)):
+        msgs = msgs + [{"role": "assistant", "content": calls[i % 3]},
+                       {"role": "tool", "content": "error: file is locked"}]
+        out.append(req(list(msgs)))
+    return out
+
+
+def rq_rephrased(rng):
+    # The model rephrases its own message a little on each retry; the tool error stays.
+    base = sentence(rng) + " " + sentence(rng)
+    openers = ["I will try again.", "I will try once more.", "I will retry now.",
+               "I will try it again."]
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": sentence(rng)}]
+    out = []
+    for _ in range(rng.randint(8, 14)):
+        msgs = msgs + [{"role": "assistant", "content": base + " " + rng.choice(openers)},
+                       {"role": "tool", "content": "error: connection refused"}]
+        out.append(req(list(msgs)))
+    return out
+
+
 REQ_LEGIT = {"agent": rq_agent, "batch": rq_batch, "polling": rq_polling,
-             "shared_system": rq_shared_system}
+             "shared_system": rq_shared_system, "template_cycle": rq_template_cycle,
+             "template_files": rq_template_files, "template_ids": rq_template_ids,
+             "template_chat": rq_template_chat}
 REQ_LOOPS = {"exact": rq_exact, "jitter": rq_jitter, "error_feedback": rq_error_feedback,
-             "ping_pong": rq_ping_pong, "same_tool_call": rq_same_tool_call}
+             "ping_pong": rq_ping_pong, "same_tool_call": rq_same_tool_call,
+             "cycle3": rq_cycle3, "rephrased": rq_rephrased}
 
 
 def _write(path: Path, items: list[dict]) -> None:
