@@ -1,0 +1,165 @@
+"""Trip latency through the real supervisor; prints one JSON object.
+
+A real agent process (urllib through HTTP_PROXY, in its own cgroup) streams from a paced SSE
+upstream that falls into a loop after a prefix. The proxy trips (`token_loop: freeze`), the
+supervisor freezes the agent, we resume it, and it asks again: `--trips` times. Latency is from
+the upstream sending the chunk that completes the evidence (the event holding the trip's
+`at_char`, stamped with CLOCK_MONOTONIC) to `cgroup.events` saying `frozen 1` (woken by poll;
+the kernel signals that file on change), or /proc state `T` on the SIGSTOP fallback.
+
+    python bench/proxy_trip.py [--trips 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import select
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+AGENT = r"""
+import json, os, time, urllib.request
+url = os.environ["BENCH_UPSTREAM"] + "/v1/chat/completions"
+while True:
+    body = json.dumps({"model": "m", "stream": True,
+                       "messages": [{"role": "user", "content": "go %f" % time.time()}]})
+    req = urllib.request.Request(url, data=body.encode(), method="POST",
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            for _ in resp:
+                pass
+    except Exception:
+        pass
+    time.sleep(0.05)
+"""
+
+
+class Upstream:
+    def __init__(self, pace: float) -> None:
+        self.pace = pace
+        self.sent: list[tuple[int, int]] = []  # (chars so far, send time ns) of the last stream
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next((h.split(b":")[1] for h in head.split(b"\r\n")
+                               if h.lower().startswith(b"content-length")), b"0"))
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+            sent: list[tuple[int, int]] = []
+            self.sent = sent
+            chars = 0
+            for i in range(2000):
+                text = f"step {i} of the plan is fine. " if i < 30 else "I will try again. "
+                chars += len(text)
+                data = b"data: " + json.dumps({"choices": [{"delta": {"content": text}}]}).encode()
+                data += b"\n\n"
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                sent.append((chars, time.monotonic_ns()))
+                await writer.drain()
+                await asyncio.sleep(self.pace)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            pass
+        writer.close()
+
+
+def wait_frozen(cgroup: Path | None, pid: int, timeout: float) -> int | None:
+    """Block until the agent is frozen; returns CLOCK_MONOTONIC ns when it was seen."""
+    deadline = time.monotonic() + timeout
+    if cgroup is not None:
+        fd = os.open(cgroup / "cgroup.events", os.O_RDONLY)
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLPRI | select.POLLERR)
+            while time.monotonic() < deadline:
+                os.lseek(fd, 0, 0)
+                if b"frozen 1" in os.read(fd, 256):
+                    return time.monotonic_ns()
+                poller.poll(100)
+        finally:
+            os.close(fd)
+        return None
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return None
+        if state == "T":
+            return time.monotonic_ns()
+        time.sleep(0.0002)
+    return None
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else float("nan")
+
+
+async def main(trips: int) -> dict:
+    from fleettop.supervisor.config import parse_fleet
+    from fleettop.supervisor.fleet import Supervisor
+    from fleettop.supervisor.proxy_link import ProxyLink
+
+    up = Upstream(pace=0.002)
+    server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tmp = Path(tempfile.mkdtemp(prefix="fleettop-trip-"))
+    os.environ.setdefault("FLEETTOP_STATE_DIR", str(tmp / "state"))
+    os.environ.setdefault("FLEETTOP_RUNTIME_DIR", str(tmp / "run"))
+    fleet = {"agents": {"looper": {"cmd": [sys.executable, "-c", AGENT], "restart": "no",
+                                   "env": {"BENCH_UPSTREAM": f"http://127.0.0.1:{port}"}}}}
+    text = json.dumps(fleet)
+    (tmp / "fleet.yaml").write_text(text)
+    sup = Supervisor(parse_fleet(text, str(tmp / "fleet.yaml")))
+    link = ProxyLink(sup, sup.fleet.proxy, sup.fleet.breaker, sup.state_dir / "proxy")
+    link.register()
+    await link.start()
+    events = sup.subscribe()
+    await sup.start()
+    lat_ms: list[float] = []
+    missed = 0
+    try:
+        rt = sup.agents["looper"]
+        for _ in range(trips):
+            pids = rt.pids()
+            frozen = asyncio.create_task(asyncio.to_thread(
+                wait_frozen, rt.cgroup, pids[0] if pids else 0, 20.0))
+            trip = None
+            while trip is None:
+                ev = await asyncio.wait_for(events.get(), 30)
+                if ev.kind == "breaker.trip" and ev.agent == "looper":
+                    trip = ev
+            t_frozen = await frozen
+            at_char = trip.data.get("evidence", {}).get("at_char")
+            sent = up.sent
+            t_chunk = next((t for chars, t in sent if chars >= (at_char or 0)), None)
+            if t_frozen is None or t_chunk is None:
+                missed += 1
+            else:
+                lat_ms.append((t_frozen - t_chunk) / 1e6)
+            await sup.resume_agent("looper", reason="bench")
+            await asyncio.sleep(0.1)
+    finally:
+        sup.unsubscribe(events)
+        await sup.shutdown()
+        await link.stop()
+        server.close()
+    return {"trip_latency_ms": {"n": len(lat_ms), "missed": missed, "p50": pct(lat_ms, 0.5),
+                                "p99": pct(lat_ms, 0.99), "max": pct(lat_ms, 1.0)},
+            "freezer": "cgroup" if rt.cgroup is not None else "sigstop"}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trips", type=int, default=50)
+    args = ap.parse_args()
+    threading.stack_size(1 << 20)
+    print(json.dumps(asyncio.run(main(args.trips))))
