@@ -170,6 +170,40 @@ async def test_only_changed_cells_are_written() -> None:
         assert h.row_text("summarizer")[3] == "77"
 
 
+async def test_a_poll_draws_one_frame_and_an_idle_poll_none() -> None:
+    h = Harness(FakeFleet(40, gpu=False))  # a VRAM history would grow by a sample per poll
+    frames: list[Any] = []
+    async with h.run() as pilot:
+        await h.ready(pilot)
+        display = h.app._display  # every frame the compositor hands to the terminal
+
+        def counted(screen: Any, update: Any) -> None:
+            if update is not None:
+                frames.append(update)
+            display(screen, update)
+
+        h.app._display = counted  # type: ignore[method-assign]
+        for _ in range(40):  # start-up settles (footer, scrollbars), then nothing is drawn
+            frames.clear()
+            await pilot.pause(0.3)
+            if not frames:
+                break
+        assert frames == [], "the screen repaints between polls"
+        renders = h.app.renders
+        h.app.request_poll()  # nothing changed: nothing is drawn
+        await until(pilot, lambda: h.app.renders > renders)
+        await pilot.pause(0.3)
+        assert frames == [], [f.spans for f in frames]
+        for a in h.fleet.agents:
+            if a["state"] == "running":
+                a["cpu_percent"] = 77.0
+        renders = h.app.renders
+        h.app.request_poll()  # every running row changes: still one frame
+        await until(pilot, lambda: h.app.renders > renders)
+        await pilot.pause(0.3)
+        assert len(frames) == 1
+
+
 async def test_polls_never_overlap_and_events_trigger_a_poll() -> None:
     fleet = FakeFleet()
     inflight = peak = 0

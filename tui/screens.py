@@ -52,6 +52,7 @@ class InspectorScreen(Screen[None]):
         self.readonly = readonly
         self.log_lines: list[str] | None = None
         """Log tail fetched with the `logs` command (None until it arrives)."""
+        self._probes: Text | None = None
 
     @property
     def agent_name(self) -> str:
@@ -119,7 +120,10 @@ class InspectorScreen(Screen[None]):
             self.query_one("#inspector-requests", Static).update(self._requests_text())
         if changed("log_tail") and self.log_lines is None:
             self._render_logs()
-        self.query_one("#inspector-probes", Static).update(self._probes_text())
+        probes = self._probes_text()
+        if probes != self._probes:  # counters move every poll; unchanged text is not redrawn
+            self._probes = probes
+            self.query_one("#inspector-probes", Static).update(probes)
 
     def _trip_text(self) -> Text:
         trip = self.agent.get("trip")

@@ -174,7 +174,7 @@ class AgentsTable(ScrollView, can_focus=True):
         for i, (name, cells, state) in enumerate(rows):
             old = cells_before.get(name)
             self._cells[name], self._states[name] = cells, state
-            if old == cells and name in self._strips:
+            if old == cells:
                 continue
             self.cell_updates += len(cells) if old is None or reordered else sum(
                 a != b for a, b in zip(old, cells, strict=False))
