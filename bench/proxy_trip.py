@@ -133,10 +133,15 @@ async def main(trips: int) -> dict:
             frozen = asyncio.create_task(asyncio.to_thread(
                 wait_frozen, rt.cgroup, pids[0] if pids else 0, 20.0))
             trip = None
-            while trip is None:
-                ev = await asyncio.wait_for(events.get(), 30)
-                if ev.kind == "breaker.trip" and ev.agent == "looper":
-                    trip = ev
+            try:
+                while trip is None:
+                    ev = await asyncio.wait_for(events.get(), 30)
+                    if ev.kind == "breaker.trip" and ev.agent == "looper":
+                        trip = ev
+            except TimeoutError:
+                missed += 1  # reported, not hidden: see "missed"
+                await frozen
+                break
             t_frozen = await frozen
             at_char = trip.data.get("evidence", {}).get("at_char")
             sent = up.sent
