@@ -597,8 +597,7 @@ def test_demo_looper_is_tripped_and_frozen_by_the_supervisor(tmp_path):
         assert trip["data"]["trip_kind"] == "token_loop", trip
         assert trip["data"]["evidence"]["repeating_span"]
         frozen = _wait_for(lambda: find("agent.frozen"), 10, "agent.frozen for looper")
-        assert frozen["data"].get("source", "breaker") == "breaker" or "token_loop" in \
-            frozen["reason"], frozen
+        assert frozen["data"]["source"] == "breaker" and "token_loop" in frozen["reason"], frozen
         status = subprocess.run([*FLEETTOP, "ctl", "-f", str(fleet), "status", "--json"],
                                 capture_output=True, text=True, timeout=30)
         looper = next(a for a in json.loads(status.stdout)["agents"] if a["name"] == "looper")
