@@ -13,6 +13,7 @@ itself (and throws the bytes away) so the cost of a real terminal is counted, an
 frames and bytes per poll. Prints one JSON object.
 
     .venv/bin/python bench/tui.py [--seconds 10]
+    .venv/bin/python bench/tui.py --child 50 --case realistic --size 80x24   # one run
 """
 
 from __future__ import annotations

@@ -241,10 +241,6 @@ class AgentsTable(ScrollView, can_focus=True):
     def on_blur(self) -> None:
         self.refresh()
 
-    def notify_style_update(self) -> None:
-        super().notify_style_update()
-        self._header = None
-
     # -- cursor -----------------------------------------------------------------------------
 
     def watch_cursor_row(self, old: int, new: int) -> None:
