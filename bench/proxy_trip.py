@@ -125,7 +125,10 @@ async def main(trips: int) -> dict:
     events = sup.subscribe()
     await sup.start()
     lat_ms: list[float] = []
-    missed = 0
+    detect_ms: list[float] = []  # upstream chunk sent → proxy trip decided
+    report_ms: list[float] = []  # → supervisor's ProxyLink has the report
+    freeze_ms: list[float] = []  # → cgroup.events says frozen 1
+    missed = resume_refused = 0
     try:
         rt = sup.agents["looper"]
         for _ in range(trips):
@@ -143,6 +146,16 @@ async def main(trips: int) -> dict:
                 await frozen
                 break
             t_frozen = await frozen
+            # Resume only once the supervisor has finished its freeze (`agent.frozen`): the
+            # kernel says `frozen 1` before freeze_agent() marks the agent FROZEN, and a resume
+            # sent in between is refused ("running, not frozen"), leaving the agent frozen
+            # with nobody to thaw it (the stall this bench used to hit after ~10 trips).
+            try:
+                while not (ev.kind == "agent.frozen" and ev.agent == "looper"):
+                    ev = await asyncio.wait_for(events.get(), 10)
+            except TimeoutError:
+                missed += 1
+                break
             at_char = trip.data.get("evidence", {}).get("at_char")
             sent = up.sent
             t_chunk = next((t for chars, t in sent if chars >= (at_char or 0)), None)
@@ -150,7 +163,15 @@ async def main(trips: int) -> dict:
                 missed += 1
             else:
                 lat_ms.append((t_frozen - t_chunk) / 1e6)
-            await sup.resume_agent("looper", reason="bench")
+                t_proxy = trip.data.get("proxy_mono_ns") or t_chunk
+                t_link = trip.data.get("link_mono_ns") or t_proxy
+                detect_ms.append((t_proxy - t_chunk) / 1e6)
+                report_ms.append((t_link - t_proxy) / 1e6)
+                freeze_ms.append((t_frozen - t_link) / 1e6)
+            reply = await sup.resume_agent("looper", reason="bench")
+            if not reply.get("ok"):
+                resume_refused += 1
+                break
             await asyncio.sleep(0.1)
     finally:
         sup.unsubscribe(events)
@@ -159,6 +180,13 @@ async def main(trips: int) -> dict:
         server.close()
     return {"trip_latency_ms": {"n": len(lat_ms), "missed": missed, "p50": pct(lat_ms, 0.5),
                                 "p99": pct(lat_ms, 0.99), "max": pct(lat_ms, 1.0)},
+            "resume_refused": resume_refused,
+            "parts_p50_ms": {"chunk_to_trip": pct(detect_ms, 0.5),
+                             "trip_to_link": pct(report_ms, 0.5),
+                             "link_to_frozen": pct(freeze_ms, 0.5)},
+            "parts_p99_ms": {"chunk_to_trip": pct(detect_ms, 0.99),
+                             "trip_to_link": pct(report_ms, 0.99),
+                             "link_to_frozen": pct(freeze_ms, 0.99)},
             "freezer": "cgroup" if rt.cgroup is not None else "sigstop"}
 
 

@@ -368,34 +368,59 @@ class FleettopProxy:
             "event": "breaker.trip", "agent": agent.name, "kind": trip.kind, "policy": policy,
             "reason": trip.reason, "evidence": _redacted_evidence(trip.evidence),
             "at_char": trip.at_char, "at_request": trip.at_request, "ts": time.time(),
+            "mono_ns": time.monotonic_ns(),  # CLOCK_MONOTONIC is machine-wide: for benches
             "model": agent.last_model,
             "url": redact_text(flow.request.pretty_url) if flow is not None else None,
             "text_tail": redact_text(agent.ring()[-2048:]),
         }
-        event["incident"] = self._write_incident(agent, event)
+        folder = self._incident_folder(agent, event)
+        event["incident"] = str(folder) if folder is not None else None
+        # The report (which freezes the agent) goes out first; the incident's files (a few ms:
+        # the ring is redacted and written) right after the chunk callback returns.
         self.report(event)
+        if folder is not None:
+            snapshot = (agent.ring(), list(agent.requests))
+            try:
+                asyncio.get_running_loop().call_soon(self._write_incident, folder, event,
+                                                     *snapshot)
+            except RuntimeError:  # no loop (replay, tests): write now
+                self._write_incident(folder, event, *snapshot)
         return blocks
 
-    def _write_incident(self, agent: AgentState, event: dict[str, Any]) -> str | None:
+    def _incident_folder(self, agent: AgentState, event: dict[str, Any]) -> Path | None:
+        """Reserve `incidents/<time>-<agent>-<kind>[-n]/` (the files come after the report)."""
         if self.state_dir is None:
             return None
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(event["ts"]))
+        base = self.state_dir / "incidents" / f"{stamp}-{agent.name}-{event['kind']}"
+        folder, n = base, 1
         try:
-            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(event["ts"]))
-            folder = self.state_dir / "incidents" / f"{stamp}-{agent.name}-{event['kind']}"
-            n = 1
-            while folder.exists():
-                n += 1
-                folder = folder.with_name(f"{stamp}-{agent.name}-{event['kind']}-{n}")
-            folder.mkdir(parents=True, mode=0o700)
-            (folder / "event.json").write_text(json.dumps(event, indent=2))
-            (folder / "response.txt").write_text(redact_text(agent.ring()))
-            with open(folder / "requests.jsonl", "w") as fh:
-                for req in agent.requests:
-                    fh.write(json.dumps(req) + "\n")
-            return str(folder)
+            base.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            while True:
+                try:
+                    folder.mkdir(mode=0o700)
+                    return folder
+                except FileExistsError:
+                    n += 1
+                    folder = base.with_name(f"{base.name}-{n}")
         except OSError:
             log.exception("fleettop addon: cannot write incident")
             return None
+
+    @staticmethod
+    def _write_incident(folder: Path, event: dict[str, Any], ring: str,
+                        requests: list[dict[str, Any]]) -> None:
+        try:
+            (folder / "response.txt").write_text(redact_text(ring))
+            with open(folder / "requests.jsonl", "w") as fh:
+                for req in requests:
+                    fh.write(json.dumps(req) + "\n")
+            # event.json last: a folder with it is complete.
+            tmp = folder / ".event.json.tmp"
+            tmp.write_text(json.dumps(event, indent=2))
+            os.replace(tmp, folder / "event.json")
+        except OSError:
+            log.exception("fleettop addon: cannot write incident")
 
     def release(self, name: str) -> bool:
         agent = self.agents.get(name)

@@ -241,7 +241,8 @@ class ProxyLink:
                     "incident": event.get("incident"), "text_tail": event.get("text_tail")}
         reason = f"{event.get('kind')}: {event.get('reason')}"
         self.sup.emit("breaker.trip", agent=name, reason=reason, trip_kind=event.get("kind"),
-                      policy=policy, evidence=evidence, incident=event.get("incident"))
+                      policy=policy, evidence=evidence, incident=event.get("incident"),
+                      proxy_mono_ns=event.get("mono_ns"), link_mono_ns=time.monotonic_ns())
         if name not in getattr(self.sup, "agents", {name: None}):
             return
         self.dump(name)  # the whole ring and the recent requests, for the inspector
@@ -254,7 +255,13 @@ class ProxyLink:
         subscribe = getattr(self.sup, "subscribe", None)
         if subscribe is None:
             return
-        queue = subscribe()
+        # Unbounded: Supervisor queues drop their oldest event when full, and a dropped
+        # `agent.resumed` would leave that agent blocked (429) after its resume. This task
+        # drains the queue at once, so it only grows while the event loop is starved.
+        try:
+            queue = subscribe(maxsize=0)
+        except TypeError:  # a supervisor without the maxsize parameter
+            queue = subscribe()
         try:
             while True:
                 ev = await queue.get()
