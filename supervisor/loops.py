@@ -68,6 +68,7 @@ class LoopParams:
     retry_tail_messages: int = 2
     retry_prompt_chars: int = 1024
     retry_fuzzy_chars: int = 64
+    retry_max_lag: int | None = None  # None: retry_repeats // 2
 
 
 @dataclass
@@ -541,9 +542,9 @@ class RetryDetector:
     messages, prompts) must be equal once normalised and masked: templated work where a topic,
     a file name or an id changes is progress. Only the model's own text (assistant messages,
     `retry_fuzzy_chars` or longer) may differ, within `retry_max_distance` bits, since sampling
-    rephrases it. The match must lie within `repeats // 2` requests back (capped by
-    `retry_history`): a cycle counts once it comes round twice within `retry_repeats`
-    requests, so a worker cycling through a longer list of tasks is not a loop.
+    rephrases it. The match must lie within `retry_max_lag` (default `repeats // 2`) requests
+    back (capped by `retry_history`): a cycle counts once it comes round twice within
+    `retry_repeats` requests, so a worker cycling through a longer list of tasks is not a loop.
     """
 
     def __init__(self, params: LoopParams | None = None) -> None:
@@ -574,7 +575,8 @@ class RetryDetector:
         fp = simhash_chars(fuzzy_text) if fuzzy_text else 0
         numbers = tuple(_NUMBER.findall(masked))
         match: tuple[int, _Seen] | None = None
-        lag_limit = max(1, min(p.retry_history, p.retry_repeats // 2))
+        lag = p.retry_max_lag if p.retry_max_lag is not None else p.retry_repeats // 2
+        lag_limit = max(1, min(p.retry_history, lag))
         recent = list(self._seen)[-lag_limit:]
         key = tuple(exact)
         for seen in recent:

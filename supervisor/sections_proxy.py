@@ -7,7 +7,7 @@
     breaker:
       policy: {token_loop: freeze, retry_loop: freeze, budget: block, rate: block}
       generation: {min_cover: 200, unit_distance: 6, window_distance: 5}
-      retry: {repeats: 6, distance: 6}
+      retry: {repeats: 6, distance: 6, max_lag: null, fuzzy_chars: 64}
       budget: {window: 1h, tokens: 2000000, requests: null, cost: 5.0, rate_per_min: 120}
 
 Defaults were tuned on tests/data (see docs/readme-proxy.md for the corpus numbers).
@@ -112,6 +112,8 @@ class RetrySection(_Model):
     repeats: int = Field(6, ge=2)
     tail_messages: int = Field(2, ge=1)
     prompt_chars: int = Field(1024, ge=16)
+    max_lag: int | None = Field(None, ge=1, description="null: repeats // 2")
+    fuzzy_chars: int = Field(64, ge=1)
 
 
 class BudgetSection(_Model):
@@ -149,6 +151,7 @@ class BreakerSection(_Model):
             c_max_lag=g.window_max_lag, c_consecutive=g.window_consecutive,
             retry_max_distance=r.distance, retry_history=r.history, retry_repeats=r.repeats,
             retry_tail_messages=r.tail_messages, retry_prompt_chars=r.prompt_chars,
+            retry_max_lag=r.max_lag, retry_fuzzy_chars=r.fuzzy_chars,
         )
 
     def budget_params(self) -> BudgetParams:

@@ -183,3 +183,27 @@ def test_retries_of_the_same_prompt_trip():
     det = RetryDetector()
     prompts = [f"[{i}] Summarise the nightly report." for i in range(8)]  # a changing number
     assert all(det.feed(_chat(p)) is None for p in prompts)
+
+
+def test_retry_max_lag_and_fuzzy_chars_from_the_fleet_file():
+    from fleettop.supervisor.sections_proxy import BreakerSection
+
+    default = BreakerSection().loop_params()
+    assert (default.retry_max_lag, default.retry_fuzzy_chars) == (None, 64)
+    p = BreakerSection.model_validate({"retry": {"max_lag": 1, "fuzzy_chars": 200}}).loop_params()
+    assert (p.retry_max_lag, p.retry_fuzzy_chars) == (1, 200)
+    cycle = [_chat(f"Fix the {w} bug now.") for w in ("parser", "lexer")] * 5  # A/B/A/B...
+    def trips(params, bodies):
+        det = RetryDetector(params)
+        return [t for b in bodies if (t := det.feed(b)) is not None]
+
+    assert trips(default, cycle)  # lag 2 <= repeats // 2
+    assert not trips(p, cycle)  # max_lag 1: only A/A counts
+    # An assistant message shorter than fuzzy_chars must match exactly: rephrasings don't.
+    said = ["I could not parse the config file, retrying with the same settings now.",
+            "I could not parse the config file, retrying now with the same settings."]
+    turns = [{"model": "m", "messages": [{"role": "assistant", "content": said[i % 2]},
+                                         {"role": "user", "content": "go on"}]}
+             for i in range(10)]
+    assert trips(default, turns)
+    assert not trips(p, turns)
