@@ -3,7 +3,8 @@
 - added latency per chunk, direct vs through the proxy, alternating rounds in one run (p50/p99):
   the upstream stamps each SSE event with CLOCK_MONOTONIC, the client subtracts on receipt;
 - events/s flat out through plain mitmdump and through fleettop's proxy;
-- proxy RSS; trip latency (loop onset at the upstream → `breaker.trip` on the proxy's stdout)
+- proxy RSS, and peak RSS + CPU with 50 concurrent paced streams (fleettop and plain mitmproxy);
+  trip latency (loop onset at the upstream → `breaker.trip` on the proxy's stdout)
   in ms and in chunks; detector chars-after-onset (median/p90) and ns/char on tests/data.
 """
 
@@ -121,6 +122,25 @@ def start_proxy(tmp: Path, plain: bool = False) -> tuple[subprocess.Popen, int]:
     return proc, ready["port"]
 
 
+async def concurrent_load(up: int, via: int, pid: int, streams: int = 50,
+                          n: int = 300) -> dict:
+    """`streams` paced streams at once through one proxy: its peak RSS and CPU meanwhile."""
+    proc = psutil.Process(pid)
+    cpu0, t0 = proc.cpu_times(), time.perf_counter()
+    peak = proc.memory_info().rss
+    tasks = [asyncio.create_task(stream(up, via, n, agent="bench")) for _ in range(streams)]
+    while not all(t.done() for t in tasks):
+        peak = max(peak, proc.memory_info().rss)
+        await asyncio.sleep(0.1)
+    results = [t.result() for t in tasks]
+    cpu1, secs = proc.cpu_times(), time.perf_counter() - t0
+    used = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    return {"streams": streams, "events": sum(r[1] for r in results),
+            "complete": sum(r[1] == n for r in results), "seconds": round(secs, 2),
+            "rss_peak_mib": round(peak / 2**20, 1), "cpu_percent": round(100 * used / secs, 1),
+            "latency_p50_us": pct([x for r in results for x in r[0]], 0.5)}
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else float("nan")
@@ -192,6 +212,12 @@ async def main() -> None:
             out["events_per_s"]["fleettop_vs_plain"] = round(
                 out["events_per_s"]["fleettop"] / out["events_per_s"]["plain_mitmproxy"], 3)
             out["proxy_rss_mib"] = round(psutil.Process(proc.pid).memory_info().rss / 2**20, 1)
+            # 50 concurrent streams, each paced at 10 ms (5k events/s in all), same upstream.
+            slow, up_slow = await sse_server(pace=0.01)
+            out["concurrent_50"] = {
+                "fleettop": await concurrent_load(up_slow, port, proc.pid),
+                "plain_mitmproxy": await concurrent_load(up_slow, plain_port, plain.pid)}
+            slow.close()
             # Trip latency: loop onset at event 40, paced 1 ms; `warn` keeps the stream going.
             trips_ms, trips_chunks = [], []
             for _ in range(5):
