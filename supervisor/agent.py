@@ -90,6 +90,8 @@ class AgentRuntime:
     trip: dict[str, Any] | None = None
     stop_requested: bool = False
     run_id: int = 0
+    op_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serialises freeze and resume of this agent."""
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the current run passes its readiness probe (at once when it has none)."""
 

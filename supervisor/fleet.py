@@ -82,6 +82,8 @@ class Supervisor:
         self.components: dict[str, Any] = {}
         """Parts of the fleet that are not agents (proxy, probes, server): a dict, or a
         callable returning one, per name."""
+        self.resume_hooks: list[Callable[[str], Any]] = []
+        """Called (awaited if async) with the agent's name just before it is thawed."""
         self.stop_hooks: list[Callable[[], Any]] = []
         """Awaited after every agent has stopped (proxy, probes, servers shut down here)."""
         self.externals: dict[int, dict[str, Any]] = {}
@@ -548,6 +550,14 @@ class Supervisor:
                            evidence: dict[str, Any] | None = None) -> dict[str, Any]:
         """The one freeze path, whoever asks (user, breaker, leak, spin, governor)."""
         rt = self._agent(name)
+        # Freeze and resume of one agent never interleave: a resume that arrives while a
+        # freeze waits for the kernel's confirmation must run after it, not be refused.
+        async with rt.op_lock:
+            return await self._freeze(rt, reason, source, evidence)
+
+    async def _freeze(self, rt: AgentRuntime, reason: str, source: str,
+                      evidence: dict[str, Any] | None) -> dict[str, Any]:
+        name = rt.name
         if rt.state is AgentState.FROZEN:
             return {"ok": True, "already": True, "state": rt.state.value}
         if rt.state is not AgentState.RUNNING:
@@ -595,8 +605,18 @@ class Supervisor:
     async def resume_agent(self, name: str, reason: str = "",
                            source: str = "user") -> dict[str, Any]:
         rt = self._agent(name)
+        async with rt.op_lock:
+            return await self._resume(rt, reason, source)
+
+    async def _resume(self, rt: AgentRuntime, reason: str, source: str) -> dict[str, Any]:
+        name = rt.name
         if rt.state is not AgentState.FROZEN:
             return {"ok": False, "error": f"{name} is {rt.state.value}, not frozen"}
+        for hook in self.resume_hooks:  # e.g. lift the proxy's block before the agent runs
+            with contextlib.suppress(Exception):
+                result = hook(name)
+                if asyncio.iscoroutine(result):
+                    await result
         if rt.frozen_via == "cgroup" and rt.cgroup is not None:
             if not cgroups.thaw(rt.cgroup, timeout=0.002):
                 await self._await_frozen(rt.cgroup, 0)

@@ -93,6 +93,10 @@ class ProxyLink:
     def register(self) -> None:
         self.sup.env_hooks.append(self.env_hook)
         self.sup.status_hooks.append(self.status_hook)
+        # Lift the block before the thaw, so a resumed agent's next request isn't a 429.
+        resume_hooks = getattr(self.sup, "resume_hooks", None)
+        if resume_hooks is not None:
+            resume_hooks.append(self.release)
 
     def env_hook(self, spec: Any, env: dict[str, str]) -> None:
         name = spec.name if hasattr(spec, "name") else str(spec)

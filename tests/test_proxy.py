@@ -520,8 +520,6 @@ async def test_release_survives_a_flooded_event_queue(tmp_path, upstream):
         task.cancel()
 
 
-@pytest.mark.xfail(strict=False, reason="fleet.py: resume_agent refuses a resume while "
-                   "freeze_agent awaits the kernel's confirmation (fix requested from the lead)")
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs a writable cgroup v2")
 async def test_resume_during_an_unconfirmed_freeze_is_not_lost(tmp_path, monkeypatch):
     """The root cause of the proxy_trip stall: the kernel said `frozen 1`, the resume came
