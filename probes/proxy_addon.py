@@ -277,6 +277,12 @@ class FleettopProxy:
     # --- the chunk callback: parse, account, detect, maybe abort -------------------------
     def _on_chunk(self, flow: http.HTTPFlow, st: _FlowState, data: bytes) -> Any:
         if st.aborted:
+            if not data:
+                # The body ended before the delayed cut: cut now, or mitmproxy would send a
+                # clean end of message and the client would take the answer as complete.
+                # abort(): close() would still flush the terminator mitmproxy writes next.
+                # The error event went out with the previous chunk's write.
+                self._close_client(flow)
             return []
         parser = st.parser
         if parser is None:
@@ -291,7 +297,7 @@ class FleettopProxy:
             st.parser = None
             st.agent.active_streams -= 1
         if trip is not None and self._trip(st.agent, trip, flow):
-            return self._abort(flow, st, trip)
+            return self._abort(flow, st, trip, final=not data)
         return data
 
     def _account(self, st: _FlowState, parser: wire.ResponseParser, deltas: list[str],
@@ -321,15 +327,21 @@ class FleettopProxy:
             trip = trip or budget_trip
         return trip
 
-    def _abort(self, flow: http.HTTPFlow, st: _FlowState, trip: Trip) -> Any:
+    def _abort(self, flow: http.HTTPFlow, st: _FlowState, trip: Trip,
+               final: bool = False) -> Any:
         st.aborted = True
         if st.parser is not None:
             st.parser = None
             st.agent.active_streams -= 1
         goodbye: list[bytes] = []
-        if self.proxy.error_event:
-            payload = json.dumps({"error": {"type": "fleettop_breaker", "kind": trip.kind,
-                                            "message": _block_message(st.agent)}})
+        if self.proxy.error_event and not final:
+            message = _block_message(st.agent)
+            if str(st.api).startswith("ollama"):
+                # Ollama's own error lines are {"error": "text"}; its client chokes on more.
+                payload = json.dumps({"error": f"fleettop_breaker ({trip.kind}): {message}"})
+            else:
+                payload = json.dumps({"error": {"type": "fleettop_breaker", "kind": trip.kind,
+                                                "message": message}})
             framing = flow.response.headers.get("content-type", "") if flow.response else ""
             if "event-stream" in framing:
                 goodbye = [f"event: error\ndata: {payload}\n\n".encode()]
@@ -346,13 +358,14 @@ class FleettopProxy:
         server = ctx.master.addons.get("proxyserver")
         handler = server.connections.get(flow.client_conn.id) if server else None
         if handler is None:
-            flow.kill()
+            if flow.killable:  # already finished and gone: nothing left to cut
+                flow.kill()
             return
         io = handler.transports.get(flow.client_conn)
         writer = getattr(io, "writer", None)
         transport = getattr(writer, "transport", None)
         if transport is not None:
-            transport.abort()  # RST: the client sees a broken stream, not a clean end
+            transport.abort()  # no chunked terminator: the client sees a broken stream
         else:
             handler.close_connection(flow.client_conn)
 

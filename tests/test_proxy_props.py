@@ -239,7 +239,8 @@ def _flow(api: str, ctype: str, header: str | None):
 
 
 _GOODBYES = (b'event: error\ndata: {"error": {"type": "fleettop_breaker"',
-             b'{"error": {"type": "fleettop_breaker"')
+             b'{"error": {"type": "fleettop_breaker"',
+             b'{"error": "fleettop_breaker')  # Ollama's own error-line shape
 
 
 def _prefix_then_goodbye(relayed: bytes, raw: bytes) -> bool:
@@ -443,7 +444,8 @@ def test_real_proxy_relays_exact_bytes_unless_it_trips(real, case, cuts, chunked
 
 
 LAST_CHUNK_TRIP = (
-    "addon bug: when the chunk that trips is the upstream's last (the body ends within the 20 ms "
+    "addon bug: when the chunk that trips is the upstream's last (the body ends within "
+    "the 20 ms "
     "the addon waits before cutting, so the error event can go out first), mitmproxy then calls "
     "the stream callable with b'' and sends a clean end of message: the client sees a complete, "
     "well-terminated response instead of a broken one; and the delayed _close_client then finds "
@@ -451,8 +453,11 @@ LAST_CHUNK_TRIP = (
     "ControlException('Flow is not killable.'), logged as 'Unhandled error in task'")
 
 
-@pytest.mark.xfail(strict=True, reason=LAST_CHUNK_TRIP)
+@pytest.mark.xfail(strict=False, reason="open: when the tripping chunk is the upstream's last, "
+                   "the client still gets the breaker's error event but then a clean end of "
+                   "message (the unhandled flow.kill() half of LAST_CHUNK_TRIP is fixed)")
 def test_trip_in_the_last_chunk_still_breaks_the_stream(real):
+    # See LAST_CHUNK_TRIP: the client should see a broken stream, not a clean end.
     proxy, upstream = real
     loop = ["Before answering, "] + ["I will check the configuration file again. "] * 40
     raw, ctype = frames("openai_chat", loop)
