@@ -77,7 +77,9 @@ def fleettop_request(sock: Path, req: dict) -> dict:
 def bench_fleettop(n: int, tmp: Path, idle: float, freezes: int) -> dict:
     tag = f"9{n:04d}1"  # a sleep duration unique to this run, to find its processes
     fleet = tmp / f"fleet{n}.yaml"
-    fleet.write_text(json.dumps({"agents": {f"a{i}": {"cmd": ["sleep", tag]}
+    # Plain sleepers, as supervisord gets: no token proxy (it would start its own process,
+    # ~1 s of mitmproxy imports, before the first agent).
+    fleet.write_text(json.dumps({"agents": {f"a{i}": {"cmd": ["sleep", tag], "proxy": False}
                                             for i in range(n)}}))
     env = dict(os.environ, FLEETTOP_STATE_DIR=str(tmp / "state"),
                FLEETTOP_RUNTIME_DIR=str(tmp / "run"))
