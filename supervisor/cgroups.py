@@ -131,6 +131,12 @@ def remove(cg: Path, timeout: float = 2.0) -> bool:
         return True
     if procs(cg):
         kill_all(cg)
+    return _rmdir_tree(cg, timeout)
+
+
+def _rmdir_tree(cg: Path, timeout: float) -> bool:
+    """rmdir deepest first, retrying while the kernel still counts tasks (EBUSY); tasks
+    that are left get SIGKILL (v1 has no cgroup.kill)."""
     deadline = time.monotonic() + timeout
     for dirpath, _dirs, _files in sorted(os.walk(cg), key=lambda t: -len(t[0])):
         while True:
@@ -142,6 +148,9 @@ def remove(cg: Path, timeout: float = 2.0) -> bool:
             except OSError as exc:
                 if exc.errno != errno.EBUSY or time.monotonic() > deadline:
                     return False
+                with contextlib.suppress(OSError, ValueError):
+                    for pid in _read(Path(dirpath) / "cgroup.procs").split():
+                        os.kill(int(pid), signal.SIGKILL)
                 time.sleep(0.01)
     return True
 
@@ -238,23 +247,8 @@ class CgroupTree:
 
 
 def remove_v1(cg: Path, timeout: float = 2.0) -> bool:
-    """rmdir a v1 cgroup tree once its tasks are gone (v1 has no cgroup.kill)."""
-    deadline = time.monotonic() + timeout
-    for dirpath, _dirs, _files in sorted(os.walk(cg), key=lambda t: -len(t[0])):
-        while True:
-            try:
-                os.rmdir(dirpath)
-                break
-            except FileNotFoundError:
-                break
-            except OSError as exc:
-                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
-                    return False
-                for pid in _read(Path(dirpath) / "cgroup.procs").split():
-                    with contextlib.suppress(OSError):
-                        os.kill(int(pid), signal.SIGKILL)
-                time.sleep(0.01)
-    return True
+    """rmdir a v1 cgroup tree, killing its tasks (v1 has no cgroup.kill)."""
+    return _rmdir_tree(cg, timeout)
 
 
 def cleanup_stale() -> list[Path]:
