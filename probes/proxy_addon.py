@@ -46,6 +46,8 @@ from fleettop.supervisor.sections_proxy import (
 log = logging.getLogger("fleettop.proxy")
 Report = Callable[[dict[str, Any]], None]
 _BASIC = re.compile(r"^\s*basic\s+(\S+)\s*$", re.I)
+_DETECT_CHARS = 128  # feed the loop detector this much text at a time (a trip comes <= later)
+_BOOK_TOKENS = 32  # book output tokens on the budget this many at a time (and at the end)
 
 
 @dataclass
@@ -84,7 +86,7 @@ class AgentState:
 
 class _FlowState:
     __slots__ = ("agent", "api", "parser", "detector", "body", "booked_in", "booked_out",
-                 "est_in", "chars_out", "aborted", "started")
+                 "est_in", "chars_out", "aborted", "started", "pending")
 
     def __init__(self, agent: AgentState, api: str | None, body: dict[str, Any] | None) -> None:
         self.agent = agent
@@ -98,6 +100,7 @@ class _FlowState:
         self.chars_out = 0
         self.aborted = False
         self.started = time.monotonic()
+        self.pending = ""  # text not yet fed to the detector
 
 
 class FleettopProxy:
@@ -305,13 +308,17 @@ class FleettopProxy:
         agent = st.agent
         trip = None
         if deltas:
-            # One detector call per upstream read: the detector's verdicts do not depend on
-            # how the text is cut, and its fixed cost per call is most of its cost per chunk.
+            # The detector's verdicts do not depend on how the text is cut.
             text = deltas[0] if len(deltas) == 1 else "".join(deltas)
             agent.add_text(text)
             st.chars_out += len(text)
             if agent.breaker.enabled:
-                trip = st.detector.feed(text)
+                st.pending += text
+        if st.pending and (final or len(st.pending) >= _DETECT_CHARS):
+            # The detector is fed DETECT_CHARS at a time: its fixed cost per call (normalising,
+            # the tiers' checks, a copy of its buffer) is most of its cost on short deltas.
+            text, st.pending = st.pending, ""
+            trip = st.detector.feed(text)
         info = parser.info
         if info.model:
             agent.last_model = info.model
@@ -319,7 +326,8 @@ class FleettopProxy:
         tout = (info.tokens_out if info.tokens_out is not None
                 else wire.estimate_tokens(st.chars_out))
         d_in, d_out = max(0, tin - st.booked_in), max(0, tout - st.booked_out)
-        if d_in or d_out:
+        if d_in or d_out >= _BOOK_TOKENS or (final and d_out):  # booked in steps: per chunk
+            # it was a tenth of the chunk callback's cost
             st.booked_in += d_in
             st.booked_out += d_out
             cost = cost_of(agent.last_model, d_in, d_out, self._prices)

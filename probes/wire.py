@@ -18,6 +18,7 @@ from typing import Any
 import brotli
 import zstandard
 
+_decode = json.JSONDecoder().decode  # on str: json.loads(bytes) first sniffs the encoding
 MAX_JSON_BODY = 8 * 1024 * 1024
 MAX_LINE = 4 * 1024 * 1024
 
@@ -140,9 +141,19 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+_NOT_PLAIN_CHOICES = frozenset(("usage", "prompt_eval_count", "eval_count", "error", "type",
+                                "output"))
+
+
 def extract_event(obj: Any, out: Extract) -> None:
     """Pull text deltas, usage and model from one decoded JSON event or body, any known shape."""
     if not isinstance(obj, dict):
+        return
+    if "choices" in obj and _NOT_PLAIN_CHOICES.isdisjoint(obj):
+        # The usual OpenAI stream event (choices, maybe model, no usage): nothing else to read.
+        if isinstance(obj.get("model"), str) and obj["model"]:
+            out.model = obj["model"]
+        _choices(obj, out)
         return
     _usage(obj, out)
     if isinstance(obj.get("error"), dict | str):
@@ -157,23 +168,7 @@ def extract_event(obj: Any, out: Extract) -> None:
         _usage(obj["response"], out)
         if kind in ("response.completed", "response.done", "response.incomplete"):
             out.done = True
-    # OpenAI chat / completions (stream deltas and whole bodies).
-    for choice in obj.get("choices") or []:
-        if not isinstance(choice, dict):
-            continue
-        for holder in (choice.get("delta"), choice.get("message")):
-            if isinstance(holder, dict):
-                for key in ("reasoning_content", "reasoning", "content"):
-                    if t := _text(holder.get(key)):
-                        out.texts.append(t)
-                for call in holder.get("tool_calls") or []:
-                    fn = call.get("function") if isinstance(call, dict) else None
-                    if isinstance(fn, dict) and (t := _text(fn.get("arguments"))):
-                        out.texts.append(t)
-        if t := _text(choice.get("text")):
-            out.texts.append(t)
-        if choice.get("finish_reason"):
-            out.done = True
+    _choices(obj, out)
     # OpenAI Responses stream events.
     if (isinstance(kind, str) and kind.startswith("response.") and kind.endswith(".delta")
             and (t := _text(obj.get("delta")))):
@@ -204,6 +199,26 @@ def extract_event(obj: Any, out: Extract) -> None:
         if t := _text(obj.get("thinking")):
             out.texts.append(t)
         if obj.get("done") is True:
+            out.done = True
+
+
+def _choices(obj: dict[str, Any], out: Extract) -> None:
+    # OpenAI chat / completions (stream deltas and whole bodies).
+    for choice in obj.get("choices") or []:
+        if not isinstance(choice, dict):
+            continue
+        for holder in (choice.get("delta"), choice.get("message")):
+            if isinstance(holder, dict):
+                for key in ("reasoning_content", "reasoning", "content"):
+                    if t := _text(holder.get(key)):
+                        out.texts.append(t)
+                for call in holder.get("tool_calls") or []:
+                    fn = call.get("function") if isinstance(call, dict) else None
+                    if isinstance(fn, dict) and (t := _text(fn.get("arguments"))):
+                        out.texts.append(t)
+        if t := _text(choice.get("text")):
+            out.texts.append(t)
+        if choice.get("finish_reason"):
             out.done = True
 
 
@@ -269,6 +284,17 @@ class ResponseParser:
         if not data or self.framing == "other":
             return []
         before = len(self.info.texts)
+        if (self.framing == "sse" and data[-2:] == b"\n\n" and data[:6] == b"data: "
+                and data.count(b"\n") == 2 and not self._sse_data and not self.lines._buf
+                and b"\r" not in data):
+            # Fast path, the usual shape: one whole `data:` event per read.
+            payload = data[6:-2]
+            if payload.strip() == b"[DONE]":
+                self.info.done = True
+            else:
+                self._json(payload)
+            self._sse_event = ""
+            return self.info.texts[before:]
         if self.framing == "json":
             if len(self._body) + len(data) <= MAX_JSON_BODY:
                 self._body += data
@@ -303,7 +329,8 @@ class ResponseParser:
 
     def _json(self, payload: bytes) -> None:
         try:
-            obj = json.loads(payload)
+            obj = (_decode(payload.decode("utf-8", "surrogatepass")) if payload[:1] == b"{"
+                   else json.loads(payload))
         except ValueError:
             self.malformed += 1
             return

@@ -24,6 +24,7 @@ Defaults are tuned on tests/data (research D: 64-bit SimHash, legit structured t
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import zlib
@@ -62,6 +63,7 @@ class LoopParams:
     c_max_distance: int = 5
     c_max_lag: int = 4096
     c_consecutive: int = 3
+    c_batch: int = 4  # windows fingerprinted per pass (a pass every c_batch*c_stride chars)
     retry_max_distance: int = 6
     retry_history: int = 8
     retry_repeats: int = 6
@@ -124,6 +126,23 @@ def _distinct(hashes: np.ndarray) -> np.ndarray:
     keep[:1] = True
     np.not_equal(s[1:], s[:-1], out=keep[1:])
     return s[keep]
+
+
+def _fold_rows(grams: np.ndarray, starts: list[int], width: int) -> list[int]:
+    """`_fold(_distinct(grams[s : s + width]))` for each start, in one pass of numpy calls
+    (width < 256)."""
+    rows = grams[np.asarray(starts)[:, None] + np.arange(width)]
+    rows.sort(axis=1)
+    keep = np.ones(rows.shape, dtype=bool)
+    np.not_equal(rows[:, 1:], rows[:, :-1], out=keep[:, 1:])
+    n = keep.sum(axis=1)
+    seg = np.zeros(len(starts), dtype=np.intp)
+    np.cumsum(n[:-1], out=seg[1:])
+    # One bit per byte: 8 byte lanes per uint64 summed at once (as in _fold; width < 256).
+    lanes = np.unpackbits(rows[keep].astype("<u8", copy=False).view(np.uint8))
+    ones = np.add.reduceat(lanes.view(np.uint64).reshape(-1, 8), seg, axis=0).view(np.uint8)
+    packed = np.packbits(ones > (n >> 1)[:, None], axis=1)
+    return [int.from_bytes(row.tobytes(), "big") for row in packed]
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
@@ -233,7 +252,12 @@ class LoopDetector:
         self._unit_index = 0
         self._streaks: dict[int, int] = {}
         self._next_c = self.p.c_window
-        self._windows: deque[tuple[int, int]] = deque()
+        # Window fingerprints in arrival order: ends (ints) and fps (a uint64 ring, so one
+        # vectorised XOR + popcount compares a window with all earlier ones at once).
+        self._w_ends: deque[int] = deque()
+        self._w_fps = np.empty(2 * (self.p.c_max_lag // max(1, self.p.c_stride) + 8),
+                               dtype=np.uint64)
+        self._w_head = 0
         self._c_hits = 0
         # 5-gram hashes by absolute position, computed once: windows overlap 4x.
         self._grams = np.empty(0, dtype=np.uint64)
@@ -382,11 +406,11 @@ class LoopDetector:
                 )
         return None
 
-    # Tier C: sliding char-5-gram windows.
+    # Tier C: sliding char-5-gram windows, `c_batch` windows at a time (vectorised: numpy's
+    # fixed cost per call, not the arithmetic, is what a window costs).
     def _tier_c(self) -> Trip | None:
         p = self.p
-        trip = None
-        if self.n < self._next_c:
+        if self.n < self._next_c + (p.c_batch - 1) * p.c_stride:
             return None
         g_end = self._g_start + self._grams.size
         first = max(g_end, self._next_c - p.c_window)
@@ -395,29 +419,34 @@ class LoopDetector:
             self._grams, self._g_start = fresh, first
         else:
             self._grams = np.concatenate((self._grams, fresh))
-        while self.n >= self._next_c:
-            end = self._next_c
-            self._next_c += p.c_stride
-            rel = end - self.base
-            window = self.buf[rel - p.c_window : rel]
-            lo = end - p.c_window - self._g_start
-            fp = _fold(_distinct(self._grams[lo : lo + p.c_window - 4]))
-            while self._windows and self._windows[0][0] < end - p.c_max_lag:
-                self._windows.popleft()
+        count = (self.n - self._next_c) // p.c_stride + 1
+        ends = [self._next_c + i * p.c_stride for i in range(count)]
+        self._next_c += count * p.c_stride
+        fps = _fold_rows(self._grams, [e - p.c_window - self._g_start for e in ends],
+                         p.c_window - 4)
+        trip = None
+        w_ends = self._w_ends
+        for j, end in enumerate(ends):
+            fp = fps[j]
+            while w_ends and w_ends[0] < end - p.c_max_lag:
+                w_ends.popleft()
+                self._w_head += 1
             best: tuple[int, int, int] | None = None
-            if not self._in_fence:
-                for wend, wfp in self._windows:
-                    if wend > end - p.c_window:
-                        break
-                    d = hamming(fp, wfp)
-                    if best is None or d < best[0]:
-                        best = (d, wend, wfp)
-            self._windows.append((end, fp))
+            if not self._in_fence and w_ends:
+                # Earlier windows that do not overlap this one: a prefix of the ring.
+                k = bisect.bisect_right(w_ends, end - p.c_window)
+                if k:
+                    ring = self._w_fps[self._w_head : self._w_head + k]
+                    dist = np.bitwise_count(ring ^ np.uint64(fp))
+                    i = int(dist.argmin())  # the earliest of equals, as a scan would pick
+                    best = (int(dist[i]), w_ends[i], int(ring[i]))
+            self._w_push(end, fp)
             if best is not None and best[0] <= p.c_max_distance:
                 self._c_hits += 1
             else:
                 self._c_hits = 0
             if trip is None and self._c_hits >= p.c_consecutive and best is not None:
+                rel = end - self.base
                 trip = Trip(
                     "token_loop",
                     f"{self._c_hits} windows in a row repeat earlier text "
@@ -426,7 +455,7 @@ class LoopDetector:
                         "tier": "window_simhash",
                         "window": [end - p.c_window, end],
                         "matched_window": [best[1] - p.c_window, best[1]],
-                        "repeating_span": window,
+                        "repeating_span": self.buf[rel - p.c_window : rel],
                         "fingerprints": [f"{fp:016x}", f"{best[2]:016x}"],
                         "distance": best[0],
                         "max_distance": p.c_max_distance,
@@ -437,6 +466,16 @@ class LoopDetector:
             self._grams = self._grams[drop:]
             self._g_start += drop
         return trip
+
+    def _w_push(self, end: int, fp: int) -> None:
+        size = len(self._w_ends)
+        if self._w_head + size >= self._w_fps.size:  # compact the ring to its start
+            if size >= self._w_fps.size // 2:
+                self._w_fps = np.concatenate((self._w_fps, np.empty_like(self._w_fps)))
+            self._w_fps[:size] = self._w_fps[self._w_head : self._w_head + size].copy()
+            self._w_head = 0
+        self._w_fps[self._w_head + size] = fp
+        self._w_ends.append(end)
 
 
 # --- retry loops ---------------------------------------------------------------------------
