@@ -319,6 +319,8 @@ class FleettopProxy:
             # the tiers' checks, a copy of its buffer) is most of its cost on short deltas.
             text, st.pending = st.pending, ""
             trip = st.detector.feed(text)
+        if final and trip is None and agent.breaker.enabled:
+            trip = st.detector.finish()
         info = parser.info
         if info.model:
             agent.last_model = info.model

@@ -29,7 +29,7 @@ import json
 import re
 import zlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -146,10 +146,10 @@ def _fold_rows(grams: np.ndarray, starts: list[int], width: int) -> list[int]:
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = z + _SM1
-        z = (z ^ (z >> np.uint64(30))) * _SM2
-        z = (z ^ (z >> np.uint64(27))) * _SM3
+    # Array arithmetic wraps silently (only numpy scalars warn): no errstate, it costs µs.
+    z = z + _SM1
+    z = (z ^ (z >> np.uint64(30))) * _SM2
+    z = (z ^ (z >> np.uint64(27))) * _SM3
     return z ^ (z >> np.uint64(31))
 
 
@@ -158,10 +158,10 @@ def _gram_hashes(text: str, n: int = 5) -> np.ndarray:
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
     if codes.size < n:
         return np.empty(0, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        h = codes[: codes.size - n + 1].copy()
-        for j in range(1, n):
-            h = h * _M + codes[j : codes.size - n + 1 + j]
+    h = codes[: codes.size - n + 1].copy()
+    for j in range(1, n):
+        h *= _M
+        h += codes[j : codes.size - n + 1 + j]
     return _mix(h)
 
 
@@ -290,6 +290,20 @@ class LoopDetector:
             cut = len(self.buf) - 2 * self.p.c_max_lag - 3 * self.p.a_max_period
             self.buf = self.buf[cut:]
             self.base += cut
+        if trip is not None:
+            trip.at_char = self.raw_chars
+            self.tripped = trip
+        return trip
+
+    def finish(self) -> Trip | None:
+        """End of the text: fingerprint the windows still waiting for a full tier C batch."""
+        if self.tripped is not None or self.n < self._next_c:
+            return None
+        batch, self.p = self.p.c_batch, replace(self.p, c_batch=1)
+        try:
+            trip = self._tier_c()
+        finally:
+            self.p = replace(self.p, c_batch=batch)
         if trip is not None:
             trip.at_char = self.raw_chars
             self.tripped = trip
@@ -426,21 +440,30 @@ class LoopDetector:
                          p.c_window - 4)
         trip = None
         w_ends = self._w_ends
+        while w_ends and w_ends[0] < ends[0] - p.c_max_lag:
+            w_ends.popleft()
+            self._w_head += 1
+        old = len(w_ends)
+        for end, fp in zip(ends, fps, strict=True):
+            self._w_push(end, fp)
+        bests: list[tuple[int, int, int] | None] = [None] * count
+        if not self._in_fence:
+            # Each new window against every window before it (old and new), at once; a window
+            # counts when it does not overlap and lies within c_max_lag.
+            ring = self._w_fps[self._w_head : self._w_head + old + count]
+            all_ends = np.fromiter(w_ends, dtype=np.int64, count=old + count)
+            new_ends = all_ends[old:, None]
+            dist = np.bitwise_count(ring[None, :] ^ ring[old:, None])
+            ok = (all_ends[None, :] <= new_ends - p.c_window) & (
+                all_ends[None, :] >= new_ends - p.c_max_lag)
+            dist[~ok] = 255
+            picks = dist.argmin(axis=1)  # the earliest of equals, as a scan would pick
+            for j, i in enumerate(picks.tolist()):
+                if ok[j, i]:
+                    bests[j] = (int(dist[j, i]), w_ends[i], int(ring[i]))
         for j, end in enumerate(ends):
             fp = fps[j]
-            while w_ends and w_ends[0] < end - p.c_max_lag:
-                w_ends.popleft()
-                self._w_head += 1
-            best: tuple[int, int, int] | None = None
-            if not self._in_fence and w_ends:
-                # Earlier windows that do not overlap this one: a prefix of the ring.
-                k = bisect.bisect_right(w_ends, end - p.c_window)
-                if k:
-                    ring = self._w_fps[self._w_head : self._w_head + k]
-                    dist = np.bitwise_count(ring ^ np.uint64(fp))
-                    i = int(dist.argmin())  # the earliest of equals, as a scan would pick
-                    best = (int(dist[i]), w_ends[i], int(ring[i]))
-            self._w_push(end, fp)
+            best = bests[j]
             if best is not None and best[0] <= p.c_max_distance:
                 self._c_hits += 1
             else:
