@@ -63,7 +63,7 @@ class LoopParams:
     c_max_distance: int = 5
     c_max_lag: int = 4096
     c_consecutive: int = 3
-    c_batch: int = 4  # windows fingerprinted per pass (a pass every c_batch*c_stride chars)
+    c_batch: int = 8  # windows fingerprinted per pass (a pass every c_batch*c_stride chars)
     retry_max_distance: int = 6
     retry_history: int = 8
     retry_repeats: int = 6
@@ -249,6 +249,7 @@ class LoopDetector:
         self._seg = ""
         self._unit = ""
         self._units: deque[tuple[int, int, str]] = deque(maxlen=self.p.b_history)
+        self._unit_fps: deque[int] = deque(maxlen=self.p.b_history)  # the same units' fps
         self._unit_index = 0
         self._streaks: dict[int, int] = {}
         self._next_c = self.p.c_window
@@ -394,11 +395,14 @@ class LoopDetector:
         self._unit_index += 1
         limit = self.p.b_fence_distance if self._in_fence else self.p.b_max_distance
         hits: dict[int, tuple[int, int, str]] = {}
-        for pidx, pfp, ptext in self._units:
-            d = hamming(fp, pfp)
-            if d <= limit:
-                hits[idx - pidx] = (d, pfp, ptext)
+        if self._units:  # one vectorised XOR + popcount against all earlier units
+            fps = np.fromiter(self._unit_fps, dtype=np.uint64, count=len(self._unit_fps))
+            dist = np.bitwise_count(fps ^ np.uint64(fp))
+            for k in np.flatnonzero(dist <= limit).tolist():
+                pidx, pfp, ptext = self._units[k]
+                hits[idx - pidx] = (int(dist[k]), pfp, ptext)
         self._units.append((idx, fp, unit))
+        self._unit_fps.append(fp)
         self._streaks = {lag: self._streaks.get(lag, 0) + 1 for lag in hits}
         for lag, streak in self._streaks.items():
             if streak >= self.p.b_consecutive:
