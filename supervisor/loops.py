@@ -225,6 +225,7 @@ _UNIT_SPLIT = re.compile(r"(?<=[.!?]) |\n")
 _LIST_MARKER = re.compile(r"^(?:[-*+>#|]+|\d+[.):]|[a-z][.)])\s*")
 _WORD = re.compile(r"\w+")
 _KEY = 24
+_C_GROUP = 64  # tier C windows handled in one set of array operations, at most
 
 
 def _unit_features(text: str) -> set[str]:
@@ -440,9 +441,22 @@ class LoopDetector:
         count = (self.n - self._next_c) // p.c_stride + 1
         ends = [self._next_c + i * p.c_stride for i in range(count)]
         self._next_c += count * p.c_stride
+        trip = None
+        for g in range(0, count, _C_GROUP):  # bounded arrays, whatever one feed brings
+            group_trip = self._c_group(ends[g : g + _C_GROUP])
+            trip = trip or group_trip
+        drop = self._next_c - p.c_window - self._g_start
+        if drop > 0:
+            self._grams = self._grams[drop:]
+            self._g_start += drop
+        return trip
+
+    def _c_group(self, ends: list[int]) -> Trip | None:
+        p = self.p
+        count = len(ends)
+        trip = None
         fps = _fold_rows(self._grams, [e - p.c_window - self._g_start for e in ends],
                          p.c_window - 4)
-        trip = None
         w_ends = self._w_ends
         while w_ends and w_ends[0] < ends[0] - p.c_max_lag:
             w_ends.popleft()
@@ -488,10 +502,6 @@ class LoopDetector:
                         "max_distance": p.c_max_distance,
                     },
                 )
-        drop = self._next_c - p.c_window - self._g_start
-        if drop > 0:
-            self._grams = self._grams[drop:]
-            self._g_start += drop
         return trip
 
     def _w_push(self, end: int, fp: int) -> None:
