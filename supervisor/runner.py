@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any
@@ -97,9 +98,31 @@ def _write_event(event: Any, fmt: str, out: IO[str]) -> None:
         out.flush()
 
 
+def _on_hangup(sup: Supervisor) -> Callable[[int, Any], None]:
+    """SIGHUP with a terminal UI: the terminal is gone (ssh dropped, tmux server killed).
+
+    Textual then blocks the main thread trying to restore a terminal that no longer exists,
+    so the event loop — and an asyncio signal handler — never runs again. This handler runs
+    between bytecodes instead: SIGTERM to every agent's tree, a short grace, then exit; the
+    reaper sees us go and SIGKILLs what is left and removes the cgroups.
+    """
+
+    def handler(signum: int, frame: Any) -> None:
+        for rt in sup.agents.values():
+            with contextlib.suppress(Exception):
+                sup._signal_tree(rt, signal.SIGTERM)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and any(rt.pids() for rt in sup.agents.values()):
+            time.sleep(0.05)
+        os._exit(128 + signum)
+
+    return handler
+
+
 async def run_fleet(fleet: Fleet, frontend: Frontend, *, duration: float | None = None,
                     readonly: bool = False,
-                    setup: Callable[[Supervisor], Awaitable[None]] | None = None) -> int:
+                    setup: Callable[[Supervisor], Awaitable[None]] | None = None,
+                    hangup_exits: bool = False) -> int:
     lock = FleetLock(fleet.path)
     lock.acquire()
     sup = Supervisor(fleet)
@@ -107,6 +130,8 @@ async def run_fleet(fleet: Fleet, frontend: Frontend, *, duration: float | None 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, sup.shutdown_requested.set)
+    if hangup_exits:
+        signal.signal(signal.SIGHUP, _on_hangup(sup))
     front: asyncio.Task[Any] | None = None
     try:
         await control.start()
@@ -129,7 +154,8 @@ async def run_fleet(fleet: Fleet, frontend: Frontend, *, duration: float | None 
                 await front
         await control.stop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
         lock.release()
     return 0
 

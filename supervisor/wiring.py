@@ -145,14 +145,19 @@ def run_with_ui(fleet: Fleet, args: argparse.Namespace) -> int:
                             refresh_s=_refresh(fleet, args), keymap=dict(fleet.ui.keys))
         return None
 
-    return asyncio.run(run_fleet(fleet, frontend, setup=setup_for(args)))
+    return asyncio.run(run_fleet(fleet, frontend, setup=setup_for(args), hangup_exits=True))
 
 
 def attach_viewer(fleet: Fleet, args: argparse.Namespace) -> int:
     """A second `fleettop FILE` on a running fleet: a viewer over the control socket."""
+    import os
+    import signal
+
     from fleettop.supervisor.client import SocketClient
     from fleettop.tui.app import run_app
 
+    # A viewer owns no agents: when its terminal hangs up it just goes (Textual would block).
+    signal.signal(signal.SIGHUP, lambda signum, frame: os._exit(128 + signum))
     readonly = bool(args.readonly or fleet.ui.readonly)
     # A viewer may freeze and resume, but quitting it never shuts the fleet down.
     client = SocketClient(paths.socket_path(fleet.path), readonly=readonly,

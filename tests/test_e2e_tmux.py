@@ -165,3 +165,27 @@ def test_second_fleettop_attaches_as_a_viewer(tmp_path: Path) -> None:
             tmux.kill()
         headless.terminate()
         headless.wait(timeout=30)
+
+
+def test_terminal_hangup_stops_the_fleet(tmp_path: Path) -> None:
+    """ssh drops or the tmux server dies: fleettop must not hang on the dead terminal."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({"agents": {"held": {"cmd": ["sleep", "1000"]}}}))
+    env = dict(os.environ, TERM="screen-256color")
+    tmux = Tmux(100, 30, f"{FLEETTOP} {fleet}", env)
+    try:
+        tmux.wait_for("held", 30)
+        snap = ctl_status(fleet, env)
+        supervisor_pid = snap["fleet"]["pid"]
+        pids = snap["agents"][0]["pids"]
+        assert pids
+    finally:
+        tmux.kill()  # SIGHUP to the pane: the terminal is gone
+    deadline = time.monotonic() + 15
+    while proctree.proc_state(supervisor_pid) not in (None, "Z"):
+        assert time.monotonic() < deadline, "fleettop hung after its terminal went away"
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while any(proctree.proc_state(p) not in (None, "Z") for p in pids):
+        assert time.monotonic() < deadline, "an agent outlived its supervisor's hangup"
+        time.sleep(0.2)
