@@ -241,6 +241,29 @@ def check_ports(args: argparse.Namespace) -> Check:
     return Check("ports", "ok", what)
 
 
+def check_proxy_ca(args: argparse.Namespace) -> Check:
+    """The proxy's CA: in the fleet's state dir, its private key readable by the owner only."""
+    path = getattr(args, "file", None)
+    if not path:
+        return Check("proxy_ca", "ok", "no fleet file given: the CA is per fleet state dir")
+    try:
+        from fleettop.supervisor import paths
+
+        fleet = _fleet(args)
+        confdir = paths.state_dir(path, getattr(fleet, "state_dir", None)) / "proxy/mitmproxy"
+    except Exception as exc:  # the fleet check reports a bad file
+        return Check("proxy_ca", "warn", f"cannot locate the state dir: {exc}")
+    key = confdir / "mitmproxy-ca.pem"
+    if not key.exists():
+        return Check("proxy_ca", "ok", f"{confdir}: made at the first start (key 0600)")
+    loose = [p.name for p in confdir.glob("mitmproxy-ca*")
+             if p.name in ("mitmproxy-ca.pem", "mitmproxy-ca.p12") and p.stat().st_mode & 0o077]
+    if loose:
+        return Check("proxy_ca", "fail", f"{confdir}: {', '.join(loose)} readable by others",
+                     f"chmod 600 {confdir}/mitmproxy-ca.pem {confdir}/mitmproxy-ca.p12")
+    return Check("proxy_ca", "ok", f"{key} (0600); agents trust {confdir}/mitmproxy-ca-cert.pem")
+
+
 def check_terminal(_: argparse.Namespace) -> Check:
     term = os.environ.get("TERM", "")
     if not term or term == "dumb":
@@ -259,7 +282,7 @@ def check_terminal(_: argparse.Namespace) -> Check:
 CHECKS: list[Checker] = [
     check_root, check_tracefs, check_btf, check_kprobes, check_bcc, check_headers,
     check_lockdown, check_bpf_load, check_cgroup, check_psi, check_nvml, check_fleet,
-    check_ports, check_terminal,
+    check_ports, check_proxy_ca, check_terminal,
 ]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from fleettop.supervisor import doctor
 
 NAMES = {"root", "tracefs", "btf", "kprobes", "bcc", "headers", "lockdown", "bpf_load",
-         "cgroup", "psi", "nvml", "fleet", "ports", "terminal"}
+         "cgroup", "psi", "nvml", "fleet", "ports", "proxy_ca", "terminal"}
 
 
 def doctor_json(*argv: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
@@ -64,3 +64,23 @@ def test_fleet_file_is_validated(tmp_path: Path):
     _, out = doctor_json("--no-trial", str(good))
     fleet = next(c for c in out["checks"] if c["name"] == "fleet")
     assert fleet["status"] == "ok" and "1 agents" in fleet["detail"]
+
+
+def test_proxy_ca_key_must_be_private(tmp_path: Path):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("agents: {}\n")
+    state = tmp_path / "state"
+    env = {"FLEETTOP_STATE_DIR": str(state)}
+    rc, out = doctor_json("--no-trial", str(fleet), env=env)
+    check = next(c for c in out["checks"] if c["name"] == "proxy_ca")
+    assert check["status"] == "ok" and "made at the first start" in check["detail"]
+    from fleettop.supervisor import paths
+
+    os.environ["FLEETTOP_STATE_DIR"] = str(state)
+    confdir = paths.state_dir(str(fleet)) / "proxy/mitmproxy"
+    confdir.mkdir(parents=True)
+    (confdir / "mitmproxy-ca.pem").write_text("key")
+    (confdir / "mitmproxy-ca.pem").chmod(0o644)
+    rc, out = doctor_json("--no-trial", str(fleet), env=env)
+    check = next(c for c in out["checks"] if c["name"] == "proxy_ca")
+    assert rc == 1 and check["status"] == "fail" and "chmod 600" in check["fix"]
