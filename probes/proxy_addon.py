@@ -546,9 +546,10 @@ def _redacted_evidence(evidence: dict[str, Any]) -> dict[str, Any]:
     return redact_json(evidence)
 
 
-def stdin_commands(addon: FleettopProxy, loop: asyncio.AbstractEventLoop,
-                   stream: Any) -> threading.Thread:
-    """Read JSON-line commands from `stream` in a thread and run them on the proxy's loop."""
+def stdin_commands(addon: FleettopProxy, loop: asyncio.AbstractEventLoop, stream: Any,
+                   on_eof: Any = None) -> threading.Thread:
+    """Read JSON-line commands from `stream` in a thread and run them on the proxy's loop;
+    `on_eof` runs there when the stream ends (the supervisor is gone)."""
 
     def reader() -> None:
         for line in stream:
@@ -558,6 +559,8 @@ def stdin_commands(addon: FleettopProxy, loop: asyncio.AbstractEventLoop,
                 continue
             if isinstance(cmd, dict):
                 loop.call_soon_threadsafe(addon.command, cmd)
+        if on_eof is not None:
+            loop.call_soon_threadsafe(on_eof)
 
     thread = threading.Thread(target=reader, name="fleettop-proxy-commands", daemon=True)
     thread.start()

@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from fleettop.probes.proxy_addon import FleettopProxy
+from fleettop.probes.proxy_addon import FleettopProxy, stdin_commands
 
 
 def _free_port(host: str) -> int:
@@ -104,21 +104,8 @@ async def _run(args: argparse.Namespace, out: _Out, cfg: dict[str, Any]) -> int:
     loop = asyncio.get_running_loop()
     run = loop.create_task(master.run())
 
-    def on_stdin_eof() -> None:
-        master.shutdown()
-
-    def reader() -> None:
-        for line in sys.stdin:
-            try:
-                cmd = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(cmd, dict):
-                loop.call_soon_threadsafe(addon.command, cmd)
-        loop.call_soon_threadsafe(on_stdin_eof)
-
     if not args.no_stdin:
-        threading.Thread(target=reader, name="fleettop-proxy-commands", daemon=True).start()
+        stdin_commands(addon, loop, sys.stdin, on_eof=master.shutdown)
 
     for _ in range(200):  # wait until the listeners are bound
         await asyncio.sleep(0.02)
