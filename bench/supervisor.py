@@ -96,14 +96,7 @@ def bench_fleettop(n: int, tmp: Path, idle: float, freezes: int) -> dict:
     sock = paths.socket_path(fleet)
     wait(sock.exists)
     if idle:
-        time.sleep(2)  # settle
-        cpu0, _ = proc_cpu_rss(proc.pid)
-        t_idle = time.perf_counter()
-        time.sleep(idle)
-        cpu1, rss = proc_cpu_rss(proc.pid)
-        out["idle_s"] = idle
-        out["idle_cpu_percent"] = round(100 * (cpu1 - cpu0) / (time.perf_counter() - t_idle), 3)
-        out["idle_rss_mib"] = round(rss / 2**20, 1)
+        out.update(measure_idle(proc.pid, idle))
     if freezes:
         snap = fleettop_request(sock, {"cmd": "status"})
         cg = {a["name"]: a["cgroup"] for a in snap["agents"]}
@@ -127,12 +120,29 @@ def bench_fleettop(n: int, tmp: Path, idle: float, freezes: int) -> dict:
     conn = _CONNS.pop(sock, None)
     if conn is not None:
         conn.close()
+    out["stop_s"] = measure_stop(proc, tag)
+    return out
+
+
+def measure_idle(pid: int, seconds: float) -> dict:
+    """CPU% and RSS of one process over an idle window, after 2 s to settle."""
+    time.sleep(2)
+    cpu0, _ = proc_cpu_rss(pid)
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    cpu1, rss = proc_cpu_rss(pid)
+    return {"idle_s": seconds,
+            "idle_cpu_percent": round(100 * (cpu1 - cpu0) / (time.perf_counter() - t0), 3),
+            "idle_rss_mib": round(rss / 2**20, 1)}
+
+
+def measure_stop(proc: subprocess.Popen, tag: str) -> float:
+    """SIGTERM the supervisor; seconds until its last agent is gone."""
     t0 = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=120)
     wait(lambda: count_sleepers(f"sleep\0{tag}") == 0)
-    out["stop_s"] = round(time.perf_counter() - t0, 3)
-    return out
+    return round(time.perf_counter() - t0, 3)
 
 
 def pct(samples: list[float]) -> dict:
@@ -168,18 +178,8 @@ def bench_supervisord(binary: Path, n: int, tmp: Path, idle: float) -> dict:
     wait(lambda: count_sleepers(f"sleep\0{tag}") >= n)
     out: dict = {"agents": n, "start_s": round(time.perf_counter() - t0, 3)}
     if idle:
-        time.sleep(2)
-        cpu0, _ = proc_cpu_rss(proc.pid)
-        t_idle = time.perf_counter()
-        time.sleep(idle)
-        cpu1, rss = proc_cpu_rss(proc.pid)
-        out["idle_cpu_percent"] = round(100 * (cpu1 - cpu0) / (time.perf_counter() - t_idle), 3)
-        out["idle_rss_mib"] = round(rss / 2**20, 1)
-    t0 = time.perf_counter()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    wait(lambda: count_sleepers(f"sleep\0{tag}") == 0)
-    out["stop_s"] = round(time.perf_counter() - t0, 3)
+        out.update(measure_idle(proc.pid, idle))
+    out["stop_s"] = measure_stop(proc, tag)
     return out
 
 

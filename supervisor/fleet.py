@@ -794,10 +794,13 @@ class Supervisor:
             "schedule": rt.spec.schedule, "cgroup": str(rt.cgroup) if rt.cgroup else None,
             "frozen_via": rt.frozen_via, "trip": rt.trip,
         }
-        row.update(self._basic_stats(rt))
         for hook in self.status_hooks:
             with contextlib.suppress(Exception):
                 row.update(hook(rt.name))
+        if "cpu_percent" not in row:  # no telemetry source for it: walk procfs ourselves
+            row.update(self._basic_stats(rt))
+        if "pids" not in row:
+            row["pids"] = rt.pids() if rt.pid is not None else []
         return row
 
     def snapshot(self) -> dict[str, Any]:
