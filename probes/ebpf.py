@@ -275,6 +275,10 @@ class KernelProbe:
             for tid in _threads(tgid):
                 tleaf = self.tids.Leaf()
                 tleaf.agent = slot
+                # A thread on a CPU right now gets no switch-in event until it blocks or is
+                # preempted: start its slice at the watch (bpf_ktime_get_ns is CLOCK_MONOTONIC).
+                # If it is off-CPU instead, its next switch-in overwrites this.
+                tleaf.in_ts = time.monotonic_ns()
                 self.tids[self.tids.Key(tid)] = tleaf
 
     def unwatch(self, agent: str) -> None:
