@@ -8,7 +8,9 @@ Protocol with the supervisor (`fleettop.supervisor.proxy_link.ProxyLink`):
   "ca_cert", "confdir"}` once listening; then `proxy.stats` (per agent, every
   `proxy.stats_interval`), `breaker.trip` (agent, kind token_loop|retry_loop|budget|rate,
   policy, reason, evidence, at_char|at_request, text_tail, incident), `proxy.released`,
-  `proxy.dump`, `proxy.reply`. Nothing else is written to stdout (mitmproxy logs go to stderr).
+  `proxy.dump`, `proxy.reply`; from the GPU addon `proxy.gpu` (gate and router state, when it
+  changes), `gpu.waited`, `gpu.timeout`, `route.changed`, `route.failed`, `governor.shrunk`
+  (each with agent and reason). Nothing else is written to stdout (mitmproxy logs go to stderr).
 - stdin: one JSON command per line: `{"cmd": "release", "agent": A}`, `{"cmd": "dump",
   "agent": A}`, `{"cmd": "stats"}`, `{"cmd": "reload"}` (re-read --config). EOF on stdin
   (the supervisor went away) stops the proxy.
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fleettop.probes.proxy_addon import FleettopProxy, stdin_commands
+from fleettop.probes.proxy_gpu import FleettopGpu
 
 
 def _free_port(host: str) -> int:
@@ -86,7 +89,9 @@ async def _run(args: argparse.Namespace, out: _Out, cfg: dict[str, Any]) -> int:
     opts = Options(listen_host=host, mode=modes, confdir=str(confdir))
     master = DumpMaster(opts, with_termlog=False, with_dumper=False)
     addon = FleettopProxy(report=out)
-    master.addons.add(addon)
+    # Order matters: FleettopProxy authenticates and parses first; the GPU addon then routes,
+    # waits for the GPU and caps (probes/proxy_gpu.py).
+    master.addons.add(addon, FleettopGpu(report=out))
     proxy_cfg = cfg.get("proxy") or {}
     updates: dict[str, Any] = {
         "fleettop_config": str(cfg_path), "fleettop_state": str(state),
@@ -126,7 +131,8 @@ async def _run(args: argparse.Namespace, out: _Out, cfg: dict[str, Any]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleettop-proxy", description=__doc__.split("\n")[0])
     parser.add_argument("--state-dir", required=True)
-    parser.add_argument("--config", default="", help="JSON {proxy, breaker, agents, reverse}")
+    parser.add_argument("--config", default="",
+                        help="JSON {proxy, breaker, agents, reverse, gpu}")
     parser.add_argument("--tokens", default="", help="JSON {agent: token}, re-read on change")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from datetime import time as dtime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
+if TYPE_CHECKING:  # aiohttp loads with the first backend: the proxy only reads activity
+    import aiohttp
 
 Emit = Callable[..., Any]
 
@@ -152,6 +153,8 @@ class Backend(Protocol):
 class _Http:
     def __init__(self, url: str, session: aiohttp.ClientSession | None = None,
                  timeout: float = 10.0) -> None:
+        import aiohttp
+
         self.id = url.rstrip("/")
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout)
@@ -161,6 +164,8 @@ class _Http:
         if self._session is not None:
             yield self._session
             return
+        import aiohttp
+
         async with aiohttp.ClientSession(timeout=self._timeout) as s:
             yield s
 
@@ -196,6 +201,8 @@ class VllmBackend(_Http):
         self.level = level
 
     async def loaded(self) -> list[LoadedModel]:
+        import aiohttp
+
         with contextlib.suppress(aiohttp.ClientError, ValueError):
             if (await self._get("/is_sleeping")).get("is_sleeping"):
                 return []

@@ -27,6 +27,28 @@ from fleettop.supervisor.gpulock import ENV_LOCK_DIR, GpuLock, LockTimeout, stat
 # --- supervisor side -----------------------------------------------------------------------
 
 
+def lock_folder(state_dir: Path, section: Any = None) -> Path:
+    """The fleet's lock queue: `gpu.lock_dir`, else `<state dir>/gpu`."""
+    lock_dir = getattr(section, "lock_dir", None)
+    return Path(lock_dir).expanduser() if lock_dir else Path(state_dir) / "gpu"
+
+
+def proxy_gpu_config(fleet: Any, state_dir: Path) -> dict[str, Any]:
+    """What the proxy's GPU addon needs from the fleet file (see probes/proxy_gpu.py)."""
+    gpu = fleet.gpu
+    return {
+        "lock_dir": str(lock_folder(state_dir, gpu)), "lock_timeout": gpu.lock_timeout,
+        "batch_max_wait": gpu.batch_max_wait, "max_in_flight": gpu.max_in_flight,
+        "backends": [b.url for b in gpu.backends if b.url],
+        "agents": {name: spec.gpu for name, spec in fleet.agents.items()},
+        "governor_state": str(Path(state_dir) / "governor.json")
+        if fleet.governor.enabled else None,
+        "activity": str(Path(state_dir) / "gpu-activity.json"),
+        "models": fleet.models.model_dump(mode="json", exclude_none=True),
+        "routes": fleet.routes.model_dump(mode="json", exclude_none=True),
+    }
+
+
 class GpuLink:
     def __init__(self, sup: Any, folder: Path, *, timeout: float = 600.0) -> None:
         self.sup = sup
@@ -37,9 +59,8 @@ class GpuLink:
     @classmethod
     def install(cls, sup: Any, section: Any = None) -> GpuLink:
         """Hook into a Supervisor; `section` is the fleet's `gpu:` (sections_gpu.GpuSection)."""
-        lock_dir = getattr(section, "lock_dir", None)
-        folder = Path(lock_dir).expanduser() if lock_dir else Path(sup.state_dir) / "gpu"
-        link = cls(sup, folder, timeout=getattr(section, "lock_timeout", 600.0))
+        link = cls(sup, lock_folder(sup.state_dir, section),
+                   timeout=getattr(section, "lock_timeout", 600.0))
         sup.start_hooks.append(link.before_start)
         sup.exit_hooks.append(link.after_exit)
         sup.env_hooks.append(link.env)
@@ -111,6 +132,8 @@ class GateRequest:
     model: str
     queued_at: float
     admitted: asyncio.Future[None] = field(repr=False)
+    admitted_at: float | None = None
+    left: bool = False
 
 
 def pick_next(queue: list[GateRequest], loaded: str | None, now: float,
@@ -145,24 +168,51 @@ class GpuGate:
     async def slot(self, agent: str, model: str,
                    wait: float | None = None) -> AsyncIterator[None]:
         """Admission for one request; raises LockTimeout after `wait` seconds queued."""
+        req = await self.enter(agent, model, wait)
+        try:
+            yield
+        finally:
+            self.leave(req)
+
+    async def enter(self, agent: str, model: str, wait: float | None = None) -> GateRequest:
+        """Queue one request and wait for its turn (the proxy's request hook); give the
+        result to `leave` when the response is over. Raises LockTimeout after `wait` s."""
         loop = asyncio.get_running_loop()
         req = GateRequest(agent, model, self.clock(), loop.create_future())
         self.queue.append(req)
         self._kick()
         try:
             await asyncio.wait_for(asyncio.shield(req.admitted), wait)
-        except TimeoutError:
-            if req.admitted.done():
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if req.admitted.done() and not req.admitted.cancelled():
+                req.left = True
                 self.in_flight -= 1
             else:
-                self.queue.remove(req)
+                req.admitted.cancel()
+                if req in self.queue:
+                    self.queue.remove(req)
             self._kick()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise LockTimeout(self.clock() - req.queued_at, None, None) from None
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            self._kick()
+        req.admitted_at = self.clock()
+        return req
+
+    def leave(self, req: GateRequest) -> None:
+        """The request's response is over (or failed); idempotent."""
+        if req.left or not req.admitted.done() or req.admitted.cancelled():
+            return
+        req.left = True
+        self.in_flight -= 1
+        self._kick()
+
+    def describe(self) -> dict[str, Any]:
+        """What the gate is doing now, for reports."""
+        now = self.clock()
+        return {"loaded": self.loaded, "in_flight": self.in_flight,
+                "holding": self.lock is not None,
+                "queue": [{"agent": r.agent, "model": r.model,
+                           "waited_s": round(now - r.queued_at, 3)} for r in self.queue]}
 
     def _kick(self) -> None:
         self._changed.set()

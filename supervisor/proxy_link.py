@@ -27,6 +27,8 @@ import certifi
 from fleettop.supervisor.sections_proxy import BreakerSection, ProxySection
 
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "127.0.0.0/8", "0.0.0.0", "*"}
+_GPU_EVENTS = {"gpu.waited", "gpu.timeout", "route.changed", "route.failed", "governor.shrunk"}
+"""Reports from the proxy's GPU addon that become fleet events as they are."""
 _STAT_FIELDS = ("tokens_in", "tokens_out", "cost", "req_per_min", "requests", "last_model",
                 "blocked", "active_streams", "trips", "text_tail")
 
@@ -63,13 +65,17 @@ class ProxyLink:
 
     def __init__(self, supervisor: Any, proxy: ProxySection, breaker: BreakerSection,
                  state_dir: Path, agent_breakers: dict[str, Any] | None = None,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, gpu: dict[str, Any] | None = None) -> None:
         self.sup = supervisor
         self.proxy = proxy
         self.breaker = breaker
         self.state_dir = Path(state_dir)
         self.agent_breakers = {k: v for k, v in (agent_breakers or {}).items() if v is not None}
         self.python = python
+        self.gpu = gpu or {}
+        """The GPU addon's config (probes/proxy_gpu.py): lock folder, GPU backends, agents'
+        gpu modes, governor state and activity files, models and routes."""
+        self.gpu_state: dict[str, Any] = {}
         self.tokens: dict[str, str] = {}
         self.stats: dict[str, dict[str, Any]] = {}
         self.port: int | None = None
@@ -155,7 +161,8 @@ class ProxyLink:
         return {"name": "proxy", "state": "running" if alive else "stopped",
                 "pid": proc.pid if proc is not None else None, "port": self.port,
                 "reverse": dict(self.reverse_ports), "restarts": self.restarts,
-                "blocked": sorted(a for a, s in self.stats.items() if s.get("blocked"))}
+                "blocked": sorted(a for a, s in self.stats.items() if s.get("blocked")),
+                **({"gpu": self.gpu_state} if self.gpu_state else {})}
 
     # --- process -------------------------------------------------------------------------
     async def start(self, ready_s: float = 30.0) -> dict[str, Any]:
@@ -168,6 +175,7 @@ class ProxyLink:
             "reverse": {a: {"upstream": u, "port": (self.proxy.reverse_base_port + i
                                                     if self.proxy.reverse_base_port else 0)}
                         for i, (a, u) in enumerate(sorted(self.proxy.reverse.items()))},
+            "gpu": self.gpu,
         }
         self._write_private(self.config_file, cfg)
         self._write_private(self.tokens_file, self.tokens)
@@ -237,6 +245,11 @@ class ProxyLink:
             await self._on_trip(event)
         elif kind == "proxy.released":
             self.sup.emit("breaker.released", agent=agent, reason="proxy block cleared")
+        elif kind == "proxy.gpu":
+            self.gpu_state = {k: v for k, v in event.items() if k != "event"}
+        elif kind in _GPU_EVENTS:
+            data = {k: v for k, v in event.items() if k not in ("event", "agent", "reason", "ts")}
+            self.sup.emit(kind, agent=agent, reason=str(event.get("reason") or ""), **data)
 
     async def _on_trip(self, event: dict[str, Any]) -> None:
         name, policy = event["agent"], event.get("policy", "block")

@@ -38,11 +38,13 @@ def setup_for(args: argparse.Namespace) -> Setup:
 
 async def _proxy(sup: Supervisor) -> None:
     """The token proxy, up before any agent starts so every agent gets its credentials."""
+    from fleettop.supervisor.gpu_link import proxy_gpu_config
     from fleettop.supervisor.proxy_link import ProxyLink
 
     fleet = sup.fleet
     link = ProxyLink(sup, fleet.proxy, fleet.breaker, sup.state_dir / "proxy",
-                     agent_breakers={n: s.breaker for n, s in fleet.agents.items()})
+                     agent_breakers={n: s.breaker for n, s in fleet.agents.items()},
+                     gpu=proxy_gpu_config(fleet, sup.state_dir))
     link.register()
     await link.start()
     sup.stop_hooks.append(link.stop)

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -51,6 +51,12 @@ class MockState:
     endpoints: Counter[str] = field(default_factory=Counter)
     streams: Counter[str] = field(default_factory=Counter)
     loaded: dict[str, float] = field(default_factory=dict)  # model -> expiry (epoch s)
+    log: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=2000))
+    """One entry per generation request: path, model, start/end (epoch s), status, and the
+    generation limits it asked for (max_tokens, num_ctx, ...)."""
+    in_flight: int = 0
+    max_in_flight: int = 0
+    """Most generation requests served at once since the last reset (a GPU serves one)."""
 
     def expire(self) -> None:
         now = time.time()
@@ -425,7 +431,7 @@ class MockLLM:
         self.state = MockState()
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._record])
         app.add_routes([
             web.get("/", self.root), web.get("/api/version", self.version),
             web.post("/v1/chat/completions", self.openai_chat),
@@ -435,8 +441,31 @@ class MockLLM:
             web.post("/api/chat", self.ollama_chat), web.post("/api/generate", self.ollama_gen),
             web.get("/api/ps", self.ps), web.get("/api/tags", self.tags),
             web.get("/mock/stats", self.stats), web.post("/mock/reset", self.reset),
+            web.get("/mock/log", self.request_log),
         ])
         return app
+
+    @web.middleware
+    async def _record(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Log each POST (a generation) with its model and when it started and ended, and
+        count how many run at once: tests prove the proxy serialised a local GPU with it."""
+        if request.method != "POST" or request.path.startswith("/mock/"):
+            return await handler(request)
+        state = self.state
+        state.in_flight += 1
+        state.max_in_flight = max(state.max_in_flight, state.in_flight)
+        entry: dict[str, Any] = {"path": request.path, "model": None, "start": time.time(),
+                                 "end": None, "status": None}
+        state.log.append(entry)
+        try:
+            resp = await handler(request)
+            entry["status"] = resp.status
+            return resp
+        finally:
+            entry["model"] = request.get("mock_model")
+            entry["limits"] = request.get("mock_limits") or {}
+            entry["end"] = time.time()
+            state.in_flight -= 1
 
     # -- shared flow
 
@@ -449,6 +478,13 @@ class MockLLM:
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             return bad_request(api, "model is required")
         self.state.requests[_base(body["model"])] += 1
+        request["mock_model"] = body["model"]
+        options = body.get("options") if isinstance(body.get("options"), dict) else {}
+        request["mock_limits"] = {k: v for k, v in (
+            ("max_tokens", body.get("max_tokens")),
+            ("max_completion_tokens", body.get("max_completion_tokens")),
+            ("num_ctx", options.get("num_ctx")), ("num_predict", options.get("num_predict")),
+        ) if v is not None}
         return body
 
     def _plan(self, body: dict[str, Any], api: str, max_tokens: Any,
@@ -636,7 +672,11 @@ class MockLLM:
             "requests": dict(s.requests), "total": sum(s.requests.values()),
             "endpoints": dict(s.endpoints), "loaded": sorted(s.loaded),
             "streams": {k: s.streams[k] for k in ("started", "completed", "aborted", "errors")},
+            "in_flight": s.in_flight, "max_in_flight": s.max_in_flight,
         })
+
+    async def request_log(self, request: web.Request) -> web.Response:
+        return _json({"requests": list(self.state.log)})
 
     async def reset(self, request: web.Request) -> web.Response:
         self.state = MockState()
