@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from fleettop.supervisor.governor import (
     shrink_request,
 )
 from fleettop.supervisor.sections_gpu import GovernorSection
+from tests.conftest import needs_cgroups
 
 CALM = ("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
         "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
@@ -242,3 +246,73 @@ async def test_a_single_burst_does_not_raise_the_level(root: Root) -> None:
     assert (await gov.step(calm)).level == 0
     await gov.step(burst)
     assert (await gov.step(burst)).level == 3  # two in a row: pressure
+
+
+# --- real pressure -------------------------------------------------------------------------
+
+THRASH = """
+import os, sys
+path = sys.argv[1]
+with open(path, 'wb') as f:  # its own pages: charged to this agent's memory cgroup
+    for _ in range(96):
+        f.write(os.urandom(1 << 20))
+    f.flush()
+    os.fsync(f.fileno())
+    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+while True:  # 96 MiB read over and over under a 24 MiB limit: reclaim, refault, stall
+    with open(path, 'rb') as f:
+        while f.read(1 << 20):
+            pass
+"""
+
+
+@needs_cgroups
+async def test_real_memory_pressure_in_an_agent_cgroup_raises_the_level(tmp_path: Path) -> None:
+    import sys
+
+    from fleettop.supervisor.config import parse_fleet
+    from fleettop.supervisor.fleet import Supervisor
+
+    if read_psi("/proc/pressure/memory") is None:
+        pytest.skip("needs PSI (/proc/pressure/memory): kernel built without CONFIG_PSI or "
+                    "booted with psi=0")
+    text = json.dumps({"agents": {"thrasher": {
+        "cmd": [sys.executable, "-c", THRASH, str(tmp_path / "pages.bin")],
+        "limits": {"memory": "24MiB"}, "restart": "no"}}})
+    (tmp_path / "fleet.yaml").write_text(text)
+    sup = Supervisor(parse_fleet(text, str(tmp_path / "fleet.yaml")))
+    events: list[tuple] = []
+    cfg = GovernorSection.model_validate({
+        "confirm": 1, "interval": "0.5s",
+        # Only the agent's own memory.pressure may raise the level here: the machine's other
+        # figures (CPU from other work, the thrasher's refaults) are set out of reach.
+        "thresholds": {"agent_memory_some_avg10": [0.2, 50, 60, 70],
+                       "memory_some_avg10": [99, 99.5, 99.8, 99.9],
+                       "memory_full_avg10": [99, 99.5, 99.8, 99.9],
+                       "io_full_avg10": [99, 99.5, 99.8, 99.9],
+                       "cpu_some_avg10": [101, 102, 103, 104],
+                       "swap_pages_per_s": [1e12, 2e12, 3e12, 4e12],
+                       "refault_pages_per_s": [1e12, 2e12, 3e12, 4e12],
+                       "unaccounted": [0.97, 0.98, 0.99, 1.0]}})
+    state_file = tmp_path / "governor.json"
+    gov = Governor(Sampler("/", cgroups=lambda: {n: r.cgroup for n, r in sup.agents.items()}),
+                   cfg, emit=lambda *a, **k: events.append((a, k)), state_path=state_file)
+    await sup.start()
+    try:
+        cgroup = sup.agents["thrasher"].cgroup
+        assert cgroup is not None and (Path(cgroup) / "memory.pressure").exists()
+        deadline = time.monotonic() + 40
+        while gov.state.level == 0:
+            assert time.monotonic() < deadline, (
+                f"no level change; agent memory.pressure: "
+                f"{read_psi(Path(cgroup) / 'memory.pressure')}, figures {gov.state.figures}")
+            await gov.step()
+            await asyncio.sleep(0.5)
+    finally:
+        await sup.shutdown()
+    (args, data), = [e for e in events if e[0][0] == "governor.level"]
+    assert data["to"] == 1 and data["steps"] == {"agent_memory_some_avg10": 1}
+    assert data["figures"]["agent_memory_some_avg10"] >= 0.2
+    assert gov.sampler.worst_agent == "thrasher"
+    proxy_view = read_state(state_file)  # what the proxy applies to new requests
+    assert proxy_view.level == 1 and proxy_view.num_ctx_cap == 8192
