@@ -379,3 +379,60 @@ def test_routed_requests_count_against_the_model_budget(make_proxy, mock, tmp_pa
         "demo-chat", "demo-chat", "demo-json"]
     ev = proxy.wait("route.changed", pred=lambda e: e["name"] == "spare")
     assert "over budget: 2/2 requests" in ev["reason"]
+
+
+# --- the whole path: a fleet file, the supervisor, the proxy, real agent processes ---------
+
+AGENT = """
+import json, os, sys, urllib.request
+url = sys.argv[1]
+for i in range(2):  # urllib honours HTTP_PROXY: the agent knows nothing of fleettop
+    body = {"model": "demo-slow", "stream": True,
+            "messages": [{"role": "user", "content": os.environ["FLEETTOP_AGENT"] + str(i)}]}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200 and b'"done":true' in r.read().replace(b" ", b"")
+print("agent done", flush=True)
+"""
+
+
+def test_a_fleet_of_shared_agents_takes_turns_on_a_local_gpu_server(tmp_path):
+    from tests.conftest import FLEETTOP, write_fleet
+
+    port = _free_port()
+    server = f"http://127.0.0.1:{port}"
+    agent = {"cmd": [sys.executable, "-c", AGENT, server + "/api/chat"], "gpu": "shared",
+             "depends_on": ["mock"], "restart": "no"}
+    fleet = write_fleet(tmp_path, json.dumps({
+        "agents": {
+            "mock": {"cmd": [sys.executable, "-m", "fleettop.supervisor.demo.mock_llm",
+                             "--port", str(port), "--slow-delay", "0.05"],
+                     "proxy": False, "ready": {"tcp": f"127.0.0.1:{port}"}},
+            "one": agent, "two": agent},
+        "gpu": {"backends": [{"kind": "ollama", "url": server}]},
+        "governor": {"enabled": False}}))
+    proc = subprocess.Popen([*FLEETTOP, "run", "--headless", str(fleet), "--events", "json",
+                             "--no-telemetry", "--for", "90s"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events: list[dict] = []
+    exited: set[str] = set()
+    try:
+        for line in proc.stdout:
+            ev = json.loads(line)
+            events.append(ev)
+            if ev.get("kind") == "agent.state" and ev.get("data", {}).get("to") == "exited":
+                exited.add(ev.get("agent"))
+            if {"one", "two"} <= exited:
+                break
+        stats = mock_get(server, "/mock/stats")
+        log = mock_get(server, "/mock/log")["requests"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert {"one", "two"} <= exited, [e.get("reason") for e in events][-20:]
+    ends = [e for e in events if e.get("kind") == "agent.state" and e["agent"] in ("one", "two")
+            and e["data"].get("to") == "exited"]
+    assert all(e["data"].get("exit_code") == 0 for e in ends), ends
+    assert stats["total"] == 4 and stats["max_in_flight"] == 1
+    assert not overlapped(log)
