@@ -33,13 +33,17 @@ class GpuInfo:
 class GpuSnapshot:
     gpus: list[GpuInfo] = field(default_factory=list)
     process_vram: dict[int, int] = field(default_factory=dict)  # pid -> bytes, all GPUs
+    per_gpu: dict[int, dict[int, int]] = field(default_factory=dict)
+    """GPU index -> pid -> bytes: which card each process's memory is on."""
 
     def vram_of(self, pids: list[int]) -> int:
         return sum(self.process_vram.get(p, 0) for p in pids)
 
     def to_json(self) -> dict[str, Any]:
         return {"gpus": [g.to_json() for g in self.gpus],
-                "process_vram": {str(k): v for k, v in self.process_vram.items()}}
+                "process_vram": {str(k): v for k, v in self.process_vram.items()},
+                "per_gpu": {str(i): {str(k): v for k, v in procs.items()}
+                            for i, procs in self.per_gpu.items()}}
 
 
 class GpuSource(Protocol):
@@ -115,6 +119,8 @@ class NvmlGpu:
                     if used is None or used >= 1 << 63:
                         continue
                     snap.process_vram[p.pid] = snap.process_vram.get(p.pid, 0) + int(used)
+                    on = snap.per_gpu.setdefault(i, {})
+                    on[p.pid] = on.get(p.pid, 0) + int(used)
         return snap
 
     def close(self) -> None:
@@ -131,14 +137,23 @@ class FakeGpu:
         self.available = count > 0
         self.why = "" if self.available else "no GPU: fake with no devices"
         self.gpus = [GpuInfo(i, name, f"GPU-fake-{i}", 0, total, 0.0) for i in range(count)]
-        self.process_vram: dict[int, int] = {}
+        self.per_gpu: dict[int, dict[int, int]] = {}
+
+    @property
+    def process_vram(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for procs in self.per_gpu.values():
+            for pid, used in procs.items():
+                out[pid] = out.get(pid, 0) + used
+        return out
 
     def set_process_vram(self, pid: int, used: int, gpu: int = 0) -> None:
-        self.process_vram[pid] = used
-        self.gpus[gpu].mem_used = sum(self.process_vram.values())
+        self.per_gpu.setdefault(gpu, {})[pid] = used
+        self.gpus[gpu].mem_used = sum(self.per_gpu[gpu].values())
 
     def sample(self) -> GpuSnapshot:
-        return GpuSnapshot([GpuInfo(**asdict(g)) for g in self.gpus], dict(self.process_vram))
+        return GpuSnapshot([GpuInfo(**asdict(g)) for g in self.gpus], self.process_vram,
+                           {i: dict(p) for i, p in self.per_gpu.items()})
 
     def close(self) -> None:
         pass

@@ -68,12 +68,18 @@ def _gpus_part(sup: Supervisor, link: object) -> dict[str, object]:
         why = getattr(gpu, "why", "") or "no GPU data yet"
         return {"gpus": [], "gpu_reason": why}
     owner = {pid: name for name, rt in sup.agents.items() if rt.pid for pid in rt.pids()}
-    procs = [{"pid": pid, "agent": owner.get(pid), "used_bytes": used}
-             for pid, used in snap.process_vram.items()]
+
+    def procs(index: int) -> list[dict[str, object]]:
+        on = snap.per_gpu.get(index)
+        if on is None and index == snap.gpus[0].index and not snap.per_gpu:
+            on = snap.process_vram  # a source that can't tell the cards apart
+        return [{"pid": pid, "agent": owner.get(pid), "used_bytes": used}
+                for pid, used in (on or {}).items()]
+
     return {"gpus": [{"index": g.index, "name": g.name, "used_bytes": g.mem_used,
                       "total_bytes": g.mem_total, "util_percent": g.util_percent,
-                      "processes": procs if i == 0 else []}
-                     for i, g in enumerate(snap.gpus)]}
+                      "processes": procs(g.index)}
+                     for g in snap.gpus]}
 
 
 async def _serve(sup: Supervisor, args: argparse.Namespace) -> None:

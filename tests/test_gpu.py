@@ -52,3 +52,21 @@ def test_real_nvml_sees_the_gpu_and_a_process_using_it():
         assert all(v >= 0 for v in snap.process_vram.values())
     finally:
         gpu.close()
+
+
+def test_each_gpu_lists_the_processes_on_it():
+    from types import SimpleNamespace
+
+    from fleettop.supervisor.wiring import _gpus_part
+
+    gpu = FakeGpu(total=8 << 30, count=2)
+    gpu.set_process_vram(100, 1 << 30, gpu=0)
+    gpu.set_process_vram(200, 3 << 30, gpu=1)
+    gpu.set_process_vram(300, 1 << 20, gpu=1)
+    rt = SimpleNamespace(pid=200, pids=lambda: [200, 201])
+    sup = SimpleNamespace(agents={"trainer": rt})
+    part = _gpus_part(sup, SimpleNamespace(gpu=gpu, gpu_snapshot=gpu.sample()))
+    on = {g["index"]: {p["pid"]: (p["agent"], p["used_bytes"]) for p in g["processes"]}
+          for g in part["gpus"]}
+    assert on == {0: {100: (None, 1 << 30)}, 1: {200: ("trainer", 3 << 30), 300: (None, 1 << 20)}}
+    assert [g["used_bytes"] for g in part["gpus"]] == [1 << 30, (3 << 30) + (1 << 20)]
