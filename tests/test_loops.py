@@ -207,3 +207,22 @@ def test_retry_max_lag_and_fuzzy_chars_from_the_fleet_file():
              for i in range(10)]
     assert trips(default, turns)
     assert not trips(p, turns)
+
+
+def test_text_that_repeats_nothing_is_not_fingerprinted():
+    # The repetition gate: without a repeated 12-char anchor, tiers B and C compute nothing.
+    det = LoopDetector()
+    words = [f"w{i:05d}" for i in range(3000)]
+    text = " ".join(f"{words[i]} {words[i + 1]} {words[i + 2]}." for i in range(0, 3000, 3))
+    for i in range(0, len(text), 100):
+        assert det.feed(text[i : i + 100]) is None
+    assert det.finish() is None
+    assert det._w_fps == {}
+    assert all(u.fp is None for u in det._units)
+    # ... and a loop after it still trips, with its earlier copy fingerprinted on demand.
+    para = ("Let me check the configuration once more before answering the question. "
+            "The settings file looks fine, but the service still fails to start. ")
+    trip = None
+    for k in range(12):
+        trip = trip or det.feed(para.replace("once more", f"again ({k})"))
+    assert trip is not None and trip.evidence["tier"] == "unit_simhash"
