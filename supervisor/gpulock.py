@@ -6,37 +6,45 @@ Layout of the lock folder (normally `<state dir>/gpu`):
     queue.lock                flock: serialises ticket numbering (held for microseconds).
     seq                       the last ticket number handed out.
     queue/<12 digits>.ticket  JSON, never rewritten: pid, start_time, host, name, model, queued_at
+    queue/<12 digits>.wake    named pipe, open in the ticket's owner until it leaves the queue
     queue/<12 digits>.held    JSON, written by the holder once it has gpu.lock.
 
 flock's wake-up order is not FIFO (a latecomer can barge in many times), so the tickets decide
-who may try: only the first live ticket, or the one right behind a ticket marked held. For the
-latter, getting the flock *is* the proof that the holder let go (released or died), so a dead
-holder is recovered the moment the kernel frees its lock, with no guessing.
+who may try: only a ticket with no live ticket ahead of it takes gpu.lock. Each waiter watches
+just the nearest live ticket ahead of it, as in a CLH queue: it opens that ticket's pipe for
+reading and sleeps in poll(). The owner writes a byte when it lets go; if it dies, the kernel
+closes its end and poll() reports a hangup. A handoff wakes exactly one process, nobody polls,
+and a dead holder is noticed as soon as the kernel has torn it down. Nothing waits in a thread:
+`acquire_async()` gives the pipe to the event loop, and a timeout or cancellation closes it.
 
 A waiting ticket is dropped only on proof its owner is dead: the pid is gone, is a zombie, or
 runs with another start time (/proc/PID/stat field 22, i.e. the pid was reused). Never by age;
-a ticket from another host counts as alive (it cannot be proved dead). Files in the queue that
-don't parse are ignored with a warning and never block anyone.
+a ticket from another host counts as alive (it cannot be proved dead) and, like a ticket with
+no pipe, is watched by polling. Files in the queue that don't parse are ignored with a warning
+and never block anyone.
 
-Caveat: a waiter that is frozen (SIGSTOP) keeps its place; the queue waits for it.
+Caveats: a waiter that is frozen (SIGSTOP) keeps its place; the queue waits for it. A child
+forked while its parent is queued shares the parent's pipe: a release still wakes the next
+waiter (the byte), but the parent's death is noticed only at the next look, within a second.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import json
 import logging
 import os
 import re
+import select
 import socket
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: it doubles the start-up of a sync-only `lock run`
+    import asyncio
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +52,9 @@ ENV_LOCK_DIR = "FLEETTOP_GPU_LOCK_DIR"
 """Set by the supervisor for its agents, so `gpu_lock()` and `fleettop lock run` inside a
 fleet share the fleet's queue."""
 
-_TICKET = re.compile(r"^(\d{12})\.(ticket|held)$")
-_POLL_MIN = 0.0005
+_NAME = re.compile(r"^(\d{12})\.(ticket|held|wake)$")
+_LOOK_AGAIN = 1.0  # a watched ticket is looked at again this often even if no wake-up comes
+_POLL_MIN = 0.001  # tickets without a pipe (another host, a hand-made file) are polled
 _POLL_MAX = 0.05
 _HOST = socket.gethostname()
 
@@ -113,6 +122,17 @@ def owner_alive(ticket: Ticket) -> bool:
     return ticket.start_time is None or started == ticket.start_time
 
 
+_own: tuple[int, int | None] | None = None
+
+
+def _own_start_time() -> int | None:
+    global _own
+    pid = os.getpid()
+    if _own is None or _own[0] != pid:  # a forked child has a pid of its own
+        _own = (pid, proc_start_time(pid))
+    return _own[1]
+
+
 def default_folder() -> Path:
     """The fleet's queue when run by the supervisor, else one per user."""
     env = os.environ.get(ENV_LOCK_DIR)
@@ -123,15 +143,18 @@ def default_folder() -> Path:
     return paths.state_root() / "gpu"
 
 
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.parent / f".tmp-{os.getpid()}-{threading.get_ident()}-{path.name}"
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def _unlink(path: Path) -> None:
+def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+        os.unlink(path)
+
+
+def _write_new(path: str, data: dict[str, Any]) -> None:
+    """Create `path` with JSON in one write(): readers see an empty file or all of it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, json.dumps(data).encode())
+    finally:
+        os.close(fd)
 
 
 @dataclass(slots=True)
@@ -141,151 +164,193 @@ class _Entry:
 
 
 class _Queue:
-    """Reads the queue folder; warns once per garbage file."""
+    """The queue folder: tickets by number, parsed once; warns once per garbage file."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.qdir = folder / "queue"
-        self._cache: dict[str, Ticket] = {}
+        self._q = str(self.qdir)
+        self._tickets: dict[int, Ticket] = {}
+        self.garbage: set[int] = set()
         self._warned: set[str] = set()
 
-    def setup(self) -> None:
-        self.qdir.mkdir(parents=True, exist_ok=True)
+    def path(self, seq: int, kind: str) -> str:
+        return f"{self._q}/{seq:012d}.{kind}"
 
     def _warn(self, name: str, why: str) -> None:
         if name not in self._warned:
             self._warned.add(name)
             log.warning("gpu lock: ignoring %s in %s: %s", name, self.qdir, why)
 
-    def scan(self) -> tuple[list[_Entry], list[str]]:
-        """Tickets in order (with their held marker) and the names of ignored files."""
+    def listing(self) -> tuple[dict[int, set[str]], list[str]]:
+        """{ticket number: kinds of file present} and the names of files that aren't ours."""
         try:
-            names = os.listdir(self.qdir)
+            names = os.listdir(self._q)
         except FileNotFoundError:
-            return [], []
-        tickets: dict[int, str] = {}
-        held: dict[int, str] = {}
+            return {}, []
+        found: dict[int, set[str]] = {}
         ignored: list[str] = []
         for name in names:
             if name.startswith("."):
                 continue
-            m = _TICKET.match(name)
-            if not m:
+            m = _NAME.match(name)
+            if m is None:
                 self._warn(name, "not a ticket name")
                 ignored.append(name)
                 continue
-            (tickets if m.group(2) == "ticket" else held)[int(m.group(1))] = name
+            found.setdefault(int(m.group(1)), set()).add(m.group(2))
+        return found, ignored
+
+    def ticket(self, seq: int) -> Ticket | None:
+        """The ticket while its file is there; None once it is gone, or if it is garbage."""
+        path = self.path(seq, "ticket")
+        known = self._tickets.get(seq)
+        if known is not None:
+            return known if os.path.exists(path) else None
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raw = b""
+            self._warn(f"{seq:012d}.ticket", f"unreadable ticket ({exc})")
+            self.garbage.add(seq)
+        if not raw:
+            return None  # created under queue.lock, its one write() not done yet
+        try:
+            ticket = Ticket.from_json(json.loads(raw), seq)
+        except (ValueError, TypeError) as exc:
+            self._warn(f"{seq:012d}.ticket", f"unreadable ticket ({exc})")
+            self.garbage.add(seq)
+            return None
+        self._tickets[seq] = ticket
+        return ticket
+
+    def held(self, seq: int) -> dict[str, Any] | None:
+        try:
+            with open(self.path(seq, "held"), "rb") as f:
+                marker = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except (ValueError, OSError):
+            return {}  # being written, or damaged: held all the same
+        return marker if isinstance(marker, dict) else {}
+
+    def scan(self) -> tuple[list[_Entry], list[str]]:
+        """Tickets in order (with their held marker) and the names of ignored files."""
+        found, ignored = self.listing()
         entries: list[_Entry] = []
-        for seq in sorted(tickets):
-            name = tickets[seq]
-            ticket = self._cache.get(name)
+        for seq in sorted(found):
+            if "ticket" not in found[seq]:
+                continue
+            ticket = self.ticket(seq)
             if ticket is None:
-                try:
-                    ticket = Ticket.from_json(json.loads((self.qdir / name).read_text()), seq)
-                except FileNotFoundError:
-                    continue
-                except (ValueError, OSError, TypeError) as exc:
-                    self._warn(name, f"unreadable ticket ({exc})")
-                    ignored.append(name)
-                    continue
-                self._cache[name] = ticket
-            marker = None
-            if seq in held:
-                try:
-                    marker = json.loads((self.qdir / held[seq]).read_text())
-                except FileNotFoundError:
-                    marker = None
-                except (ValueError, OSError):
-                    marker = {}
-                if not isinstance(marker, dict) and marker is not None:
-                    marker = {}
-            entries.append(_Entry(ticket, marker))
-        if len(self._cache) > 4 * len(tickets) + 64:
-            self._cache = {n: t for n, t in self._cache.items() if n in set(tickets.values())}
+                if seq in self.garbage:
+                    ignored.append(f"{seq:012d}.ticket")
+                continue
+            entries.append(_Entry(ticket, self.held(seq) if "held" in found[seq] else None))
         return entries, ignored
 
     def remove(self, seq: int) -> None:
-        _unlink(self.qdir / f"{seq:012d}.held")
-        _unlink(self.qdir / f"{seq:012d}.ticket")
+        for kind in ("held", "ticket", "wake"):
+            _unlink(self.path(seq, kind))
 
-    def next_seq(self, publish: Callable[[int], None] | None = None) -> int:
-        """Take the next ticket number and, under the same lock, publish the ticket: a
-        number taken but not yet visible would let a later ticket jump the queue."""
-        fd = os.open(self.folder / "queue.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    def enqueue(self, fields: dict[str, Any]) -> tuple[int, list[int], int | None]:
+        """Number and publish a ticket → (its number, the tickets ahead, our pipe's fd).
+
+        Both happen under queue.lock: a number taken but not yet visible would let a later
+        ticket jump the queue, and a waiter only ever looks at tickets (and pipes) complete
+        before its own. The pipe's fd is None where the file system has no named pipes."""
+        self.qdir.mkdir(parents=True, exist_ok=True)
+        self._tickets.clear()
+        lock = os.open(f"{self.folder}/queue.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            seq_file = self.folder / "seq"
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            found, _ = self.listing()
+            seq = self._next_seq(max(found, default=0))
+            for old, kinds in found.items():
+                if "ticket" not in kinds:  # left by a crash, or a release halfway done
+                    self.remove(old)
+            pipe = self._make_pipe(seq)
             try:
-                last = int(seq_file.read_text().strip())
-            except (OSError, ValueError):
-                # Missing or garbled counter: continue after the highest ticket present.
-                last = max((int(m.group(1)) for n in os.listdir(self.qdir)
-                            if (m := _TICKET.match(n))), default=0)
-            seq = last + 1
-            tmp = self.folder / f".seq-{os.getpid()}-{threading.get_ident()}"
-            tmp.write_text(str(seq))
-            os.replace(tmp, seq_file)
-            if publish is not None:
-                publish(seq)
+                _write_new(self.path(seq, "ticket"), fields)
+            except BaseException:
+                self.remove(seq)
+                if pipe is not None:
+                    os.close(pipe)
+                raise
+        finally:
+            os.close(lock)
+        return seq, sorted(s for s, kinds in found.items() if "ticket" in kinds), pipe
+
+    def _next_seq(self, highest: int) -> int:
+        # In place (we hold queue.lock): renaming over the old counter costs a flush on ext4.
+        fd = os.open(f"{self.folder}/seq", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            raw = os.pread(fd, 64, 0)
+            try:
+                last = int(raw.strip())
+            except ValueError:
+                last = 0  # missing or garbled: continue after the highest ticket present
+            seq = max(last, highest) + 1
+            data = b"%d\n" % seq
+            os.pwrite(fd, data, 0)
+            if len(raw) > len(data):
+                os.ftruncate(fd, len(data))
             return seq
         finally:
             os.close(fd)
 
-
-class _BlockingWait:
-    """A blocking flock in a daemon thread: wakes the instant the holder lets go.
-
-    flock can't be interrupted from another thread, so on timeout the thread is abandoned and
-    drops the lock right away if it gets it later.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        self.done = threading.Event()
-        self._mu = threading.Lock()
-        self._cancelled = False
-        self._got = False
-        self._callbacks: list[Any] = []
-        threading.Thread(target=self._run, daemon=True, name="gpulock-wait").start()
-
-    def _run(self) -> None:
+    def _make_pipe(self, seq: int) -> int | None:
+        path = self.path(seq, "wake")
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except OSError:
-            os.close(self.fd)
-            self.done.set()
-            return
-        with self._mu:
-            if self._cancelled:
-                fcntl.flock(self.fd, fcntl.LOCK_UN)
-                os.close(self.fd)
-            else:
-                self._got = True
-            callbacks = list(self._callbacks)
-        self.done.set()
-        for cb in callbacks:
-            cb()
-
-    def on_done(self, cb: Any) -> None:
-        with self._mu:
-            if not self.done.is_set():
-                self._callbacks.append(cb)
-                return
-        cb()
-
-    def settle(self) -> int | None:
-        """The fd if the lock was got; otherwise cancel and return None."""
-        with self._mu:
-            if self._got:
-                return self.fd
-            self._cancelled = True
-            self._callbacks.clear()
+            try:
+                os.mkfifo(path, 0o600)
+            except FileExistsError:
+                os.unlink(path)
+                os.mkfifo(path, 0o600)
+            # Read-write, so opening never blocks and the pipe never reports a hangup to us.
+            return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        except OSError as exc:
+            log.debug("gpu lock: no pipe in %s (%s); successors will poll", self.qdir, exc)
+            _unlink(path)
             return None
 
 
-def _wake(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
-    with contextlib.suppress(RuntimeError):  # the loop may be gone by the time we wake
-        loop.call_soon_threadsafe(event.set)
+def _settle(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
+
+
+async def _readable(fd: int, within: float) -> None:
+    """Until `fd` is readable or hung up, or `within` seconds have passed."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    try:
+        loop.add_reader(fd, _settle, ready)
+    except NotImplementedError:  # an event loop that can't watch fds: poll instead
+        await asyncio.sleep(min(within, _POLL_MAX))
+        return
+    try:
+        await asyncio.wait({ready}, timeout=within)
+    finally:
+        loop.remove_reader(fd)
+        ready.cancel()
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+def _readable_sync(fd: int, timeout: float) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll(timeout * 1000)
 
 
 class GpuLock:
@@ -303,11 +368,12 @@ class GpuLock:
         self.ticket: Ticket | None = None
         self.acquired_at: float | None = None
         self.waited: float | None = None
-        self._fd: int | None = None
+        self._fd: int | None = None  # gpu.lock, while held
         self._queue = _Queue(self.folder)
-        self._wait: _BlockingWait | None = None
-        self._last_names: tuple[int, ...] = ()
-        self._unchanged = 0
+        self._pipe: int | None = None  # our ticket's pipe, while queued or holding
+        self._ahead: list[int] = []  # ticket numbers that were ahead of ours, nearest last
+        self._watch: tuple[int, int | None] | None = None  # (ticket, read end of its pipe)
+        self._polls = 0
 
     @property
     def held(self) -> bool:
@@ -316,49 +382,71 @@ class GpuLock:
     # --- steps shared by the sync and async loops -------------------------------------------
 
     def _enqueue(self) -> None:
-        self._queue.setup()
-        pid = os.getpid()
-        start = proc_start_time(pid)
+        fields = {"pid": os.getpid(), "start_time": _own_start_time(), "host": _HOST,
+                  "name": self.name, "model": self.model, "queued_at": time.time()}
+        seq, self._ahead, self._pipe = self._queue.enqueue(fields)
+        self.ticket = Ticket(seq=seq, **fields)
+        self._polls = 0
 
-        def publish(seq: int) -> None:
-            self.ticket = Ticket(seq=seq, pid=pid, start_time=start, host=_HOST,
-                                 name=self.name, model=self.model, queued_at=time.time())
-            data = self.ticket.to_json()
-            data.pop("seq")
-            _write_atomic(self._queue.qdir / f"{seq:012d}.ticket", data)
+    def _advance(self) -> tuple[int | None, float] | None:
+        """None once no live ticket is ahead and gpu.lock is ours; else what to wait for:
+        (a pipe to watch or None, for at most how long)."""
+        while self._ahead:
+            wait = self._look_at(self._ahead[-1])
+            if wait is not None:
+                return wait
+            self._ahead.pop()
+        self._unwatch()
+        if self._try_flock():
+            return None
+        # First in line, yet gpu.lock is taken: a dead holder's process is still being torn
+        # down, or a child it forked keeps the lock's file open.
+        return None, self._backoff()
 
-        self._queue.next_seq(publish)
+    def _look_at(self, seq: int) -> tuple[int | None, float] | None:
+        """None if ticket `seq` is gone, garbage, or proved dead; else how to wait for it."""
+        queue = self._queue
+        if self._watch is None or self._watch[0] != seq:
+            self._unwatch()
+            fd = None
+            with contextlib.suppress(OSError):  # no pipe: a hand-made or foreign ticket
+                fd = os.open(queue.path(seq, "wake"), os.O_RDONLY | os.O_NONBLOCK)
+            self._watch, self._polls = (seq, fd), 0
+        ticket = queue.ticket(seq)
+        if ticket is None:
+            return None
+        if not owner_alive(ticket):
+            held = os.path.exists(queue.path(seq, "held"))
+            log.warning("gpu lock: dropping ticket %d of dead pid %d (%s)%s", seq, ticket.pid,
+                        ticket.name, ", the holder; the kernel freed its lock" if held else "")
+            queue.remove(seq)
+            return None
+        fd = self._watch[1]
+        if fd is None or ticket.host != _HOST:
+            return None, self._backoff()
+        try:
+            os.read(fd, 64)
+        except BlockingIOError:
+            # Its owner has the pipe open (opened before the ticket was published, closed
+            # after it is removed), so the hangup or the byte will come.
+            return fd, _LOOK_AGAIN
+        # A byte (it let go) or end of file (no writer left): look at the ticket again.
+        if queue.ticket(seq) is None:
+            return None
+        return None, self._backoff()  # its owner is dying right now
 
-    def _step(self) -> tuple[str, float, int]:
-        """One look at the queue → ("got"|"block"|"wait", delay, live tickets ahead)."""
-        assert self.ticket is not None
-        entries, _ = self._queue.scan()
-        ahead: list[_Entry] = []
-        for entry in entries:
-            if entry.ticket.seq >= self.ticket.seq:
-                break
-            if entry.held is None and not owner_alive(entry.ticket):
-                log.warning("gpu lock: dropping ticket %d of dead pid %d (%s)", entry.ticket.seq,
-                            entry.ticket.pid, entry.ticket.name)
-                self._queue.remove(entry.ticket.seq)
-                continue
-            ahead.append(entry)
-        names = tuple(e.ticket.seq for e in entries)
-        if names != self._last_names:
-            self._last_names, self._unchanged = names, 0
-        else:
-            self._unchanged += 1
-        if not ahead or (len(ahead) == 1 and ahead[0].held is not None):
-            if self._try_flock():
-                return "got", 0.0, 0
-            if ahead:
-                return "block", 0.0, 1
-        position = len(ahead)
-        delay = min(_POLL_MAX, _POLL_MIN * (2 ** min(position, 8)) * (1.15 ** self._unchanged))
-        return "wait", delay, position
+    def _backoff(self) -> float:
+        self._polls += 1
+        return min(_POLL_MAX, _POLL_MIN * 1.5 ** (self._polls - 1))
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            if self._watch[1] is not None:
+                os.close(self._watch[1])
+            self._watch = None
 
     def _try_flock(self) -> bool:
-        fd = os.open(self.folder / "gpu.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(f"{self.folder}/gpu.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -369,16 +457,24 @@ class GpuLock:
 
     def _granted(self) -> None:
         assert self.ticket is not None
-        # Holding the flock proves every held ticket ahead of ours is finished: clear them.
-        entries, _ = self._queue.scan()
-        for entry in entries:
-            if entry.ticket.seq < self.ticket.seq and entry.held is not None:
-                self._queue.remove(entry.ticket.seq)
         self.acquired_at = time.time()
         self.waited = self.acquired_at - self.ticket.queued_at
-        _write_atomic(self._queue.qdir / f"{self.ticket.seq:012d}.held",
-                      {"pid": os.getpid(), "acquired_at": self.acquired_at,
-                       "waited_s": round(self.waited, 6)})
+        _write_new(self._queue.path(self.ticket.seq, "held"),
+                   {"pid": os.getpid(), "acquired_at": self.acquired_at,
+                    "waited_s": round(self.waited, 6)})
+
+    def _leave(self) -> None:
+        """Drop our ticket and wake whoever watches it: it moves on to the ticket ahead."""
+        self._unwatch()
+        self._ahead = []
+        if self.ticket is not None:
+            self._queue.remove(self.ticket.seq)
+            self.ticket = None
+        if self._pipe is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._pipe, b"\n")
+            os.close(self._pipe)
+            self._pipe = None
 
     def _give_up(self, started: float) -> LockTimeout:
         position = None
@@ -388,28 +484,11 @@ class GpuLock:
             holder = st["holder"]
             position = next((q["position"] for q in st["queue"]
                              if self.ticket and q["seq"] == self.ticket.seq), None)
-        self._cancel_wait()
-        if self.ticket is not None:
-            self._queue.remove(self.ticket.seq)
-            self.ticket = None
+        self._leave()
         return LockTimeout(time.monotonic() - started, position, holder)
 
-    def _cancel_wait(self) -> None:
-        if self._wait is not None:
-            fd = self._wait.settle()
-            self._wait = None
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
-
-    def _claim_wait(self) -> bool:
-        assert self._wait is not None
-        fd = self._wait.settle()
-        self._wait = None
-        if fd is None:
-            return False
-        self._fd = fd
-        return True
+    def _remaining(self, deadline: float | None) -> float | None:
+        return None if deadline is None else deadline - time.monotonic()
 
     # --- sync -------------------------------------------------------------------------------
 
@@ -420,37 +499,29 @@ class GpuLock:
         deadline = None if self.timeout is None else started + self.timeout
         self._enqueue()
         try:
-            while True:
-                verdict, delay, _ = self._step()
-                if verdict == "got":
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
+            while (wait := self._advance()) is not None:
+                remaining = self._remaining(deadline)
                 if remaining is not None and remaining <= 0:
                     raise self._give_up(started)
-                if verdict == "block":
-                    self._wait = _BlockingWait(self.folder / "gpu.lock")
-                    self._wait.done.wait(remaining)
-                    if self._claim_wait():
-                        break
-                    continue
-                time.sleep(delay if remaining is None else min(delay, remaining))
+                fd, delay = wait
+                delay = delay if remaining is None else min(delay, remaining)
+                if fd is None:
+                    time.sleep(delay)
+                else:
+                    _readable_sync(fd, delay)
             self._granted()
         except BaseException:
-            if not self.held and self.ticket is not None:
-                self._cancel_wait()
-                self._queue.remove(self.ticket.seq)
-                self.ticket = None
+            self.release()
             raise
         return self
 
     def release(self) -> None:
-        if self.ticket is not None:
-            self._queue.remove(self.ticket.seq)
-            self.ticket = None
+        # gpu.lock first: whoever we wake next must find it free.
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+        self._leave()
 
     def __enter__(self) -> GpuLock:
         return self.acquire()
@@ -463,34 +534,23 @@ class GpuLock:
     async def acquire_async(self) -> GpuLock:
         if self.held:
             raise RuntimeError("GpuLock is not reentrant")
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
         deadline = None if self.timeout is None else started + self.timeout
         self._enqueue()
         try:
-            while True:
-                verdict, delay, _ = self._step()
-                if verdict == "got":
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
+            while (wait := self._advance()) is not None:
+                remaining = self._remaining(deadline)
                 if remaining is not None and remaining <= 0:
                     raise self._give_up(started)
-                if verdict == "block":
-                    wait = self._wait = _BlockingWait(self.folder / "gpu.lock")
-                    woke = asyncio.Event()
-                    wait.on_done(lambda ev=woke: _wake(loop, ev))
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(woke.wait(), remaining)
-                    if self._claim_wait():
-                        break
-                    continue
-                await asyncio.sleep(delay if remaining is None else min(delay, remaining))
+                fd, delay = wait
+                delay = delay if remaining is None else min(delay, remaining)
+                if fd is None:
+                    await _sleep(delay)
+                else:
+                    await _readable(fd, delay)
             self._granted()
         except BaseException:
-            if not self.held and self.ticket is not None:
-                self._cancel_wait()
-                self._queue.remove(self.ticket.seq)
-                self.ticket = None
+            self.release()
             raise
         return self
 
