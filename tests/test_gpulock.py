@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,36 @@ with gpu_lock(folder, name=name, model="m", timeout=60) as lock:
     print("held", flush=True)
     time.sleep(hold)
 """
+
+
+HOLDER = """
+import os, sys, time
+from fleettop.supervisor.gpulock import gpu_lock
+folder, name, fork = sys.argv[1], sys.argv[2], sys.argv[3] == "fork"
+with gpu_lock(folder, name=name, timeout=60) as lock:
+    with open(folder + "/order", "a") as f:
+        f.write(f"{lock.ticket.seq} {name}\\n")
+    if fork and os.fork() == 0:  # a child that keeps copies of every fd, the pipe included
+        time.sleep(600)
+        os._exit(0)
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def _holder(folder: Path, name: str, fork: bool = False) -> subprocess.Popen[str]:
+    """Holds the lock until its stdin is closed, then releases it the normal way."""
+    return subprocess.Popen([sys.executable, "-c", HOLDER, str(folder), name,
+                             "fork" if fork else ""], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _order(folder: Path) -> list[str]:
+    return [line.split()[1] for line in (folder / "order").read_text().splitlines()]
+
+
+def _queued(folder: Path) -> list[str]:
+    return [q["name"] for q in status(folder)["queue"]]
 
 
 def _child(folder: Path, name: str, hold: float = 0.0) -> subprocess.Popen[str]:
@@ -80,6 +111,101 @@ def test_holder_killed_next_waiter_proceeds(folder: Path) -> None:
     assert waiter.wait(10) == 0
     st = status(folder)
     assert st["holder"] is None and st["queue"] == [] and st["stale"] == []
+
+
+def test_waiter_behind_a_killed_waiter_keeps_its_place(folder: Path) -> None:
+    holder = _holder(folder, "h")
+    try:
+        assert holder.stdout and holder.stdout.readline() == "held\n"
+        doomed = _child(folder, "doomed")
+        _wait_until(lambda: _queued(folder) == ["doomed"], "the first waiter")
+        last = _child(folder, "last")
+        _wait_until(lambda: _queued(folder) == ["doomed", "last"], "the second waiter")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        # `last` was watching `doomed`: it drops the dead ticket and waits for the holder.
+        _wait_until(lambda: _queued(folder) == ["last"] and not status(folder)["stale"],
+                    "the dead waiter's ticket to go")
+        assert status(folder)["holder"]["name"] == "h"
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert last.stdout and last.stdout.readline() == "held\n"
+        assert last.wait(30) == 0 and holder.wait(30) == 0
+    finally:
+        holder.kill()
+    assert _order(folder) == ["h", "last"]
+    assert sorted(os.listdir(folder / "queue")) == []
+
+
+async def test_cancelled_async_waiter_leaves_no_ticket_and_no_thread(folder: Path) -> None:
+    holder = _holder(folder, "h")
+    behind: subprocess.Popen[str] | None = None
+    try:
+        assert holder.stdout and holder.stdout.readline() == "held\n"
+        threads = set(threading.enumerate())
+        lock = GpuLock(folder, name="cancelled")
+        task = asyncio.create_task(lock.acquire_async())
+        while _queued(folder) != ["cancelled"]:
+            await asyncio.sleep(0.01)
+        seq = lock.ticket.seq if lock.ticket else None
+        behind = _child(folder, "behind")
+        while _queued(folder) != ["cancelled", "behind"]:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert _queued(folder) == ["behind"] and lock.ticket is None and not lock.held
+        assert not [n for n in os.listdir(folder / "queue") if n.startswith(f"{seq:012d}.")]
+        assert set(threading.enumerate()) == threads
+        with pytest.raises(LockTimeout):
+            await GpuLock(folder, name="impatient", timeout=0.05).acquire_async()
+        assert set(threading.enumerate()) == threads and _queued(folder) == ["behind"]
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert behind.stdout and behind.stdout.readline() == "held\n"  # it moved up a place
+        assert behind.wait(30) == 0
+    finally:
+        holder.kill()
+        if behind is not None:
+            behind.kill()
+    assert _order(folder) == ["h", "behind"]
+
+
+async def test_release_wakes_the_next_while_a_forked_child_keeps_the_pipe(
+        folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The child keeps the holder's pipe open, so its release must be told, not just seen as
+    # a hangup: with the periodic look disabled, a missed wake-up would hang here.
+    monkeypatch.setattr(gpulock, "_LOOK_AGAIN", 600.0)
+    holder = _holder(folder, "parent", fork=True)
+    try:
+        assert holder.stdout and holder.stdout.readline() == "held\n"
+        task = asyncio.create_task(GpuLock(folder, name="next").acquire_async())
+        while _queued(folder) != ["next"]:
+            await asyncio.sleep(0.01)
+        assert holder.stdin is not None
+        holder.stdin.close()
+        lock = await asyncio.wait_for(task, 30)  # a hang guard, not a measurement
+        assert lock.held and status(folder)["holder"]["name"] == "next"
+        lock.release()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # the forked child too
+        holder.wait()
+
+
+def test_leftovers_without_a_ticket_are_swept(folder: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    (folder / "queue").mkdir(parents=True)
+    for name in ("000000000003.wake", "000000000004.held"):
+        (folder / "queue" / name).write_text("")
+    with caplog.at_level(logging.WARNING, logger="fleettop.supervisor.gpulock"), \
+            gpu_lock(folder, timeout=5) as lock:
+        assert lock.ticket is not None and lock.ticket.seq == 5
+        assert sorted(os.listdir(folder / "queue")) == ["000000000005.held",
+                                                        "000000000005.ticket",
+                                                        "000000000005.wake"]
+        assert status(folder)["ignored"] == []
+    assert caplog.text == ""
+    assert os.listdir(folder / "queue") == []
 
 
 def _fake_ticket(folder: Path, seq: int, pid: int, start_time: int | None,
