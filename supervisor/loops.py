@@ -203,8 +203,14 @@ class Normaliser:
         self._started = False
 
     def feed(self, delta: str) -> str:
-        # Two C-speed substitutions, then only the delta's two ends need care.
-        s = _SP_RUN.sub(" ", _NL_RUN.sub("\n", delta.lower()))
+        # Two C-speed substitutions, then only the delta's two ends need care. Each is skipped
+        # when it cannot change anything: no newline; no double space and no whitespace but " "
+        # (every other whitespace char is non-printable).
+        s = delta.lower()
+        if "\n" in s:
+            s = _SP_RUN.sub(" ", _NL_RUN.sub("\n", s))
+        elif "  " in s or not s.isprintable():
+            s = _SP_RUN.sub(" ", s)
         if not s:
             return ""
         if s[0] in " \n":
@@ -425,10 +431,11 @@ class LoopDetector:
     def _tier_b(self, text: str) -> Trip | None:
         self._seg += text
         recent = self._seg[-len(text) - 1 :]
-        if ("\n" not in text and ". " not in recent and "! " not in recent
-                and "? " not in recent and len(self._seg) <= 2000):
+        boundary = ("\n" in text or ". " in recent or "! " in recent or "? " in recent)
+        if not boundary and len(self._seg) <= 2000:
             return None
-        parts = _UNIT_SPLIT.split(self._seg)
+        # Without a boundary in this feed there is none in _seg (the split took the earlier ones).
+        parts = _UNIT_SPLIT.split(self._seg) if boundary else [self._seg]
         self._seg = parts.pop()
         starts = []
         at = self._seg_at
@@ -450,8 +457,9 @@ class LoopDetector:
             self._unit_spans.append((start, start + len(part)))
             if len(self._unit) < p.b_min_chars:
                 continue
-            # Distinct words are features too: count the bigrams only when they are too few.
-            if (len(set(_WORD.findall(self._unit))) < p.b_min_features
+            # Distinct words are features too: all features are counted only when the first 400
+            # chars hold too few words (one more: the word cut at 400 may not be one).
+            if (len(set(_WORD.findall(self._unit, 0, 400))) <= p.b_min_features
                     and len(_unit_features(self._unit)) < p.b_min_features):
                 if len(self._unit) > _B_MAX_UNIT:  # "0 1 0 0" rows forever: not a sentence
                     self._unit, self._unit_spans = "", []
