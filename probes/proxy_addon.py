@@ -17,6 +17,7 @@ Reports are JSON lines handed to `report` (proxy_main writes them to stdout).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -46,7 +47,9 @@ from fleettop.supervisor.sections_proxy import (
 log = logging.getLogger("fleettop.proxy")
 Report = Callable[[dict[str, Any]], None]
 _BASIC = re.compile(r"^\s*basic\s+(\S+)\s*$", re.I)
-_DETECT_CHARS = 128  # feed the loop detector this much text at a time (a trip comes <= later)
+# Text is handled in batches of this many chars (ring, detector, budget): their fixed cost per
+# call is most of their cost on one-token deltas. A trip comes at most this much later.
+_DETECT_CHARS = 128
 _BOOK_TOKENS = 32  # book output tokens on the budget this many at a time (and at the end)
 
 
@@ -86,7 +89,7 @@ class AgentState:
 
 class _FlowState:
     __slots__ = ("agent", "api", "parser", "detector", "body", "booked_in", "booked_out",
-                 "est_in", "chars_out", "aborted", "started", "pending")
+                 "est_in", "chars_out", "aborted", "started", "pending", "pending_chars")
 
     def __init__(self, agent: AgentState, api: str | None, body: dict[str, Any] | None) -> None:
         self.agent = agent
@@ -100,7 +103,8 @@ class _FlowState:
         self.chars_out = 0
         self.aborted = False
         self.started = time.monotonic()
-        self.pending = ""  # text not yet fed to the detector
+        self.pending: list[str] = []  # deltas not yet in the ring and the detector
+        self.pending_chars = 0
 
 
 class FleettopProxy:
@@ -267,7 +271,7 @@ class FleettopProxy:
         st.parser = wire.ResponseParser(st.api, flow.response.headers.get("content-type"),
                                         flow.response.headers.get("content-encoding"))
         st.agent.active_streams += 1
-        flow.response.stream = lambda data: self._on_chunk(flow, st, data)
+        flow.response.stream = functools.partial(self._on_chunk, flow, st)
 
     def error(self, flow: http.HTTPFlow) -> None:
         st: _FlowState | None = flow.metadata.get("fleettop_flow")
@@ -291,8 +295,17 @@ class FleettopProxy:
         if parser is None:
             return data
         try:
-            deltas = parser.feed(data) if data else parser.finish()
-            trip = self._account(st, parser, deltas, final=not data)
+            if data:
+                deltas = parser.feed(data)
+                if not deltas:
+                    return data
+                st.pending += deltas
+                st.pending_chars += len(deltas[0]) if len(deltas) == 1 else sum(map(len, deltas))
+                if st.pending_chars < _DETECT_CHARS:
+                    return data
+            else:
+                st.pending += parser.finish()
+            trip = self._account(st, parser, final=not data)
         except Exception:  # never break the relay
             log.exception("fleettop addon: chunk handling failed")
             return data
@@ -303,22 +316,18 @@ class FleettopProxy:
             return self._abort(flow, st, trip, final=not data)
         return data
 
-    def _account(self, st: _FlowState, parser: wire.ResponseParser, deltas: list[str],
-                 final: bool) -> Trip | None:
+    def _account(self, st: _FlowState, parser: wire.ResponseParser, final: bool) -> Trip | None:
+        """Book the pending text: ring, loop detector, token budget (and at the end, the rest)."""
         agent = st.agent
         trip = None
-        if deltas:
+        if st.pending:
             # The detector's verdicts do not depend on how the text is cut.
-            text = deltas[0] if len(deltas) == 1 else "".join(deltas)
+            text = st.pending[0] if len(st.pending) == 1 else "".join(st.pending)
+            st.pending, st.pending_chars = [], 0
             agent.add_text(text)
             st.chars_out += len(text)
             if agent.breaker.enabled:
-                st.pending += text
-        if st.pending and (final or len(st.pending) >= _DETECT_CHARS):
-            # The detector is fed DETECT_CHARS at a time: its fixed cost per call (normalising,
-            # the tiers' checks, a copy of its buffer) is most of its cost on short deltas.
-            text, st.pending = st.pending, ""
-            trip = st.detector.feed(text)
+                trip = st.detector.feed(text)
         if final and trip is None and agent.breaker.enabled:
             trip = st.detector.finish()
         info = parser.info

@@ -11,6 +11,7 @@ bytes themselves are relayed untouched by the caller.
 from __future__ import annotations
 
 import json
+import json.scanner
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,9 @@ from typing import Any
 import brotli
 import zstandard
 
-_decode = json.JSONDecoder().decode  # on str: json.loads(bytes) first sniffs the encoding
+# The decoder's own scanner (C), without decode()'s two whitespace regex matches per call:
+# on str, since json.loads(bytes) first sniffs the encoding.
+_scan = json.scanner.make_scanner(json.JSONDecoder())
 MAX_JSON_BODY = 8 * 1024 * 1024
 MAX_LINE = 4 * 1024 * 1024
 
@@ -204,22 +207,28 @@ def extract_event(obj: Any, out: Extract) -> None:
 
 def _choices(obj: dict[str, Any], out: Extract) -> None:
     # OpenAI chat / completions (stream deltas and whole bodies).
+    texts = out.texts
     for choice in obj.get("choices") or []:
         if not isinstance(choice, dict):
             continue
         for holder in (choice.get("delta"), choice.get("message")):
-            if isinstance(holder, dict):
-                for key in ("reasoning_content", "reasoning", "content"):
-                    if t := _text(holder.get(key)):
-                        out.texts.append(t)
+            if holder and isinstance(holder, dict):
+                for key in _HOLDER_KEYS:
+                    t = holder.get(key)
+                    if t and isinstance(t, str):
+                        texts.append(t)
                 for call in holder.get("tool_calls") or []:
                     fn = call.get("function") if isinstance(call, dict) else None
                     if isinstance(fn, dict) and (t := _text(fn.get("arguments"))):
-                        out.texts.append(t)
-        if t := _text(choice.get("text")):
-            out.texts.append(t)
+                        texts.append(t)
+        t = choice.get("text")
+        if t and isinstance(t, str):
+            texts.append(t)
         if choice.get("finish_reason"):
             out.done = True
+
+
+_HOLDER_KEYS = ("reasoning_content", "reasoning", "content")
 
 
 def _collect_content(content: Any, out: Extract) -> None:
@@ -269,6 +278,7 @@ class ResponseParser:
         self._body = bytearray()
         self._sse_data: list[bytes] = []
         self._sse_event = ""
+        self._identity = self.decoder.kind == "identity"
 
     def feed(self, chunk: bytes) -> list[str]:
         try:
@@ -279,29 +289,29 @@ class ResponseParser:
 
     def _feed(self, chunk: bytes) -> list[str]:
         self.raw_bytes += len(chunk)
-        data = self.decoder.feed(chunk)
+        data = chunk if self._identity else self.decoder.feed(chunk)
         self.decoded_bytes += len(data)
         if not data or self.framing == "other":
             return []
-        before = len(self.info.texts)
-        if (self.framing == "sse" and data[-2:] == b"\n\n" and data[:6] == b"data: "
+        self.info.texts = texts = []  # this chunk's deltas (a stream's would grow forever)
+        if (self.framing == "sse" and data[:6] == b"data: " and data[-2:] == b"\n\n"
                 and data.count(b"\n") == 2 and not self._sse_data and not self.lines._buf
                 and b"\r" not in data):
             # Fast path, the usual shape: one whole `data:` event per read.
             payload = data[6:-2]
-            if payload.strip() == b"[DONE]":
+            if payload[:1] != b"{" and payload.strip() == b"[DONE]":
                 self.info.done = True
             else:
                 self._json(payload)
             self._sse_event = ""
-            return self.info.texts[before:]
+            return texts
         if self.framing == "json":
             if len(self._body) + len(data) <= MAX_JSON_BODY:
                 self._body += data
             return []
         for line in self.lines.feed(data):
             self._line(line)
-        return self.info.texts[before:]
+        return texts
 
     def _line(self, line: bytes) -> None:
         if self.framing == "ndjson":
@@ -329,9 +339,14 @@ class ResponseParser:
 
     def _json(self, payload: bytes) -> None:
         try:
-            obj = (_decode(payload.decode("utf-8", "surrogatepass")) if payload[:1] == b"{"
-                   else json.loads(payload))
-        except ValueError:
+            if payload[:1] == b"{":
+                text = payload.decode("utf-8", "surrogatepass")
+                obj, end = _scan(text, 0)
+                if end != len(text) and text[end:].strip(" \t\n\r"):
+                    raise ValueError("extra data after the JSON value")
+            else:
+                obj = json.loads(payload)
+        except (ValueError, StopIteration):
             self.malformed += 1
             return
         self.events += 1
@@ -339,7 +354,7 @@ class ResponseParser:
 
     def finish(self) -> list[str]:
         """End of body: flush a trailing line/event, parse a buffered JSON body."""
-        before = len(self.info.texts)
+        self.info.texts = texts = []
         try:
             if self.framing == "json" and self._body:
                 self._json(bytes(self._body))
@@ -352,7 +367,7 @@ class ResponseParser:
                     self._dispatch()
         except Exception:
             self.malformed += 1
-        return self.info.texts[before:]
+        return texts
 
 
 def parse_request(content: bytes | None) -> dict[str, Any] | None:
