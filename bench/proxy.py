@@ -1,8 +1,12 @@
 """Benchmark the token proxy; prints one JSON object.
 
-- added latency per chunk, direct vs through the proxy, alternating rounds in one run (p50/p99):
-  the upstream stamps each SSE event with CLOCK_MONOTONIC, the client subtracts on receipt;
-- events/s flat out through plain mitmdump and through fleettop's proxy;
+- added latency per chunk, direct vs through the proxy vs through plain mitmproxy, alternating
+  rounds in one run (p50/p99): the upstream stamps each SSE event with CLOCK_MONOTONIC, the
+  client subtracts on receipt;
+- events/s flat out through plain mitmdump and through fleettop's proxy, and each proxy's CPU
+  time per event (steadier than events/s when other work shares the cores); plain mitmdump
+  streams every response (`stream_large_bodies=1`, so `stream = True` after the first read),
+  fleettop's addon through its `stream` callable;
 - proxy RSS, and peak RSS + CPU with 50 concurrent paced streams (fleettop and plain mitmproxy);
   trip latency (loop onset at the upstream → `breaker.trip` on the proxy's stdout)
   in ms and in chunks; detector chars-after-onset (median/p90) and ns/char on tests/data.
@@ -141,6 +145,13 @@ async def concurrent_load(up: int, via: int, pid: int, streams: int = 50,
             "latency_p50_us": pct([x for r in results for x in r[0]], 0.5)}
 
 
+def _cpu(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else float("nan")
@@ -189,28 +200,45 @@ async def main() -> None:
         plain, plain_port = start_proxy(tmp, plain=True)
         try:
             await stream(up, port, 50)
-            direct, proxied = [], []
-            for _ in range(3):  # alternate so drift hits both sides alike
+            await stream(up, plain_port, 50)
+            direct, proxied, plain_lat = [], [], []
+            for _ in range(3):  # alternate so drift hits all sides alike
                 direct += (await stream(up, None, 600))[0]
+                plain_lat += (await stream(up, plain_port, 600))[0]
                 proxied += (await stream(up, port, 600))[0]
             out["latency_us"] = {
                 "direct_p50": pct(direct, 0.5), "direct_p99": pct(direct, 0.99),
                 "proxy_p50": pct(proxied, 0.5), "proxy_p99": pct(proxied, 0.99),
                 "added_p50": round(pct(proxied, 0.5) - pct(direct, 0.5), 1),
-                "added_p99": round(pct(proxied, 0.99) - pct(direct, 0.99), 1)}
+                "added_p99": round(pct(proxied, 0.99) - pct(direct, 0.99), 1),
+                # The same through plain mitmproxy: what mitmproxy itself adds here.
+                "plain_added_p50": round(pct(plain_lat, 0.5) - pct(direct, 0.5), 1),
+                "plain_added_p99": round(pct(plain_lat, 0.99) - pct(direct, 0.99), 1)}
             rates = {"direct": [], "plain_mitmproxy": [], "fleettop": []}
+            # CPU seconds the proxy process spent per event: unlike events/s, it hardly moves
+            # when other work on the machine takes the cores away.
+            cpu_us = {"plain_mitmproxy": [], "fleettop": []}
+            pids = {"plain_mitmproxy": plain.pid, "fleettop": proc.pid}
             for _ in range(3):
                 for name, via in (("direct", None), ("plain_mitmproxy", plain_port),
                                   ("fleettop", port)):
+                    cpu0 = _cpu(pids.get(name))
                     try:
                         _, count, secs = await asyncio.wait_for(stream(up_flat, via, 2000), 30)
                     except TimeoutError:
                         print("timeout", name, file=sys.stderr)
                         continue
                     rates[name].append(count / secs)
+                    if name in cpu_us and count:
+                        cpu_us[name].append((_cpu(pids[name]) - cpu0) / count * 1e6)
             out["events_per_s"] = {k: round(statistics.median(v)) for k, v in rates.items()}
             out["events_per_s"]["fleettop_vs_plain"] = round(
                 out["events_per_s"]["fleettop"] / out["events_per_s"]["plain_mitmproxy"], 3)
+            out["proxy_cpu_us_per_event"] = {k: round(statistics.median(v), 1)
+                                             for k, v in cpu_us.items()}
+            out["proxy_cpu_us_per_event"]["plain_vs_fleettop"] = round(
+                out["proxy_cpu_us_per_event"]["plain_mitmproxy"]
+                / out["proxy_cpu_us_per_event"]["fleettop"], 3)
             out["proxy_rss_mib"] = round(psutil.Process(proc.pid).memory_info().rss / 2**20, 1)
             # 50 concurrent streams, each paced at 10 ms (5k events/s in all), same upstream.
             slow, up_slow = await sse_server(pace=0.01)
