@@ -210,17 +210,12 @@ class _Queue:
         try:
             with open(path, "rb") as f:
                 raw = f.read()
+            if not raw:
+                return None  # created under queue.lock, its one write() not done yet
+            ticket = Ticket.from_json(json.loads(raw), seq)
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            raw = b""
-            self._warn(f"{seq:012d}.ticket", f"unreadable ticket ({exc})")
-            self.garbage.add(seq)
-        if not raw:
-            return None  # created under queue.lock, its one write() not done yet
-        try:
-            ticket = Ticket.from_json(json.loads(raw), seq)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OSError) as exc:
             self._warn(f"{seq:012d}.ticket", f"unreadable ticket ({exc})")
             self.garbage.add(seq)
             return None
@@ -305,11 +300,7 @@ class _Queue:
     def _make_pipe(self, seq: int) -> int | None:
         path = self.path(seq, "wake")
         try:
-            try:
-                os.mkfifo(path, 0o600)
-            except FileExistsError:
-                os.unlink(path)
-                os.mkfifo(path, 0o600)
+            os.mkfifo(path, 0o600)
             # Read-write, so opening never blocks and the pipe never reports a hangup to us.
             return os.open(path, os.O_RDWR | os.O_NONBLOCK)
         except OSError as exc:
@@ -382,8 +373,9 @@ class GpuLock:
     # --- steps shared by the sync and async loops -------------------------------------------
 
     def _enqueue(self) -> None:
-        fields = {"pid": os.getpid(), "start_time": _own_start_time(), "host": _HOST,
-                  "name": self.name, "model": self.model, "queued_at": time.time()}
+        fields: dict[str, Any] = {"pid": os.getpid(), "start_time": _own_start_time(),
+                                  "host": _HOST, "name": self.name, "model": self.model,
+                                  "queued_at": time.time()}
         seq, self._ahead, self._pipe = self._queue.enqueue(fields)
         self.ticket = Ticket(seq=seq, **fields)
         self._polls = 0
@@ -418,7 +410,7 @@ class GpuLock:
         if not owner_alive(ticket):
             held = os.path.exists(queue.path(seq, "held"))
             log.warning("gpu lock: dropping ticket %d of dead pid %d (%s)%s", seq, ticket.pid,
-                        ticket.name, ", the holder; the kernel freed its lock" if held else "")
+                        ticket.name, ", which held the lock" if held else "")
             queue.remove(seq)
             return None
         fd = self._watch[1]
