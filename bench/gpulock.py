@@ -6,7 +6,7 @@
 - recovery: holder SIGKILLed → next waiter holds (ms).
 
 The contended run is done twice. First each process exits as soon as it has released (the
-original measurement): on 2 cores that mostly measures Python's exit (~10-25 ms of CPU per
+original measurement): on 2 cores that mostly measures Python's exit (~10 ms of CPU per
 process) competing with the next holder. Then (`lock_only_*`) each process stays alive
 until all are done, so only the lock's handoff is on the clock.
 """
