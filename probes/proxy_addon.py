@@ -17,11 +17,15 @@ Reports are JSON lines handed to `report` (proxy_main writes them to stdout).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import functools
 import json
 import logging
 import os
 import re
+import socket
+import struct
 import threading
 import time
 import weakref
@@ -289,7 +293,7 @@ class FleettopProxy:
                 # clean end of message and the client would take the answer as complete.
                 # abort(): close() would still flush the terminator mitmproxy writes next.
                 # The error event went out with the previous chunk's write.
-                self._close_client(flow)
+                self._close_client(flow, final=True)
             return []
         parser = st.parser
         if parser is None:
@@ -370,10 +374,17 @@ class FleettopProxy:
             # Let the error event reach the client first, then cut the connection.
             asyncio.get_running_loop().call_later(0.02, self._close_client, flow)
         else:
-            self._close_client(flow)
+            self._close_client(flow, final=final)
         return goodbye
 
-    def _close_client(self, flow: http.HTTPFlow) -> None:
+    def _close_client(self, flow: http.HTTPFlow, final: bool = False, tries: int = 0) -> None:
+        """Cut the client's connection with a reset once what we wrote to it has left.
+
+        A reset, not a FIN: after a FIN, a body cut short under Content-Length reads as a
+        clean end to some clients (http.client's read1()); a reset is a connection error to
+        every client, and what reached it before (the error event) is still read first. With
+        `final` (the body ended: mitmproxy writes its end of message right after) it cannot
+        wait: a FIN then if bytes are still queued, so they are not thrown away."""
         server = ctx.master.addons.get("proxyserver")
         handler = server.connections.get(flow.client_conn.id) if server else None
         if handler is None:
@@ -383,10 +394,21 @@ class FleettopProxy:
         io = handler.transports.get(flow.client_conn)
         writer = getattr(io, "writer", None)
         transport = getattr(writer, "transport", None)
-        if transport is not None:
-            transport.abort()  # no chunked terminator: the client sees a broken stream
-        else:
+        if transport is None:
             handler.close_connection(flow.client_conn)
+            return
+        if transport.is_closing():
+            return
+        sock = transport.get_extra_info("socket")
+        queued = transport.get_write_buffer_size() or _unsent(sock)
+        if queued and not final and tries < 20:
+            asyncio.get_running_loop().call_later(0.005, self._close_client, flow, False,
+                                                  tries + 1)
+            return
+        if not queued and sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()  # no chunked terminator: the client sees a broken stream
 
     # --- trips, blocks, reports ----------------------------------------------------------
     def _trip(self, agent: AgentState, trip: Trip, flow: http.HTTPFlow | None) -> bool:
@@ -543,6 +565,19 @@ def _auth_required() -> http.Response:
     return http.Response.make(
         407, b'{"error": "fleettop proxy: credentials required (http://AGENT:TOKEN@host:port)"}',
         {"Proxy-Authenticate": 'Basic realm="fleettop"', "content-type": "application/json"})
+
+
+_SIOCOUTQNSD = 0x894B  # Linux: bytes in a socket's send queue not sent yet
+
+
+def _unsent(sock: Any) -> int:
+    if sock is None:
+        return 0
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD,
+                                                  b"\0\0\0\0"))[0])
+    except OSError:
+        return 0
 
 
 def _const_eq(a: str, b: str) -> bool:

@@ -443,26 +443,18 @@ def test_real_proxy_relays_exact_bytes_unless_it_trips(real, case, cuts, chunked
     proxy.release()
 
 
-LAST_CHUNK_TRIP = (
-    "addon bug: when the chunk that trips is the upstream's last (the body ends within "
-    "the 20 ms "
-    "the addon waits before cutting, so the error event can go out first), mitmproxy then calls "
-    "the stream callable with b'' and sends a clean end of message: the client sees a complete, "
-    "well-terminated response instead of a broken one; and the delayed _close_client then finds "
-    "the connection gone and calls flow.kill() on a finished flow, which raises "
-    "ControlException('Flow is not killable.'), logged as 'Unhandled error in task'")
-
-
-@pytest.mark.xfail(strict=False, reason="open: when the tripping chunk is the upstream's last, "
-                   "the client still gets the breaker's error event but then a clean end of "
-                   "message (the unhandled flow.kill() half of LAST_CHUNK_TRIP is fixed)")
-def test_trip_in_the_last_chunk_still_breaks_the_stream(real):
-    # See LAST_CHUNK_TRIP: the client should see a broken stream, not a clean end.
+@pytest.mark.parametrize("chunked", [False, True])
+def test_trip_in_the_last_chunk_still_breaks_the_stream(real, chunked):
+    # The chunk that trips is upstream's last (one read, then the end; Content-Length or chunked):
+    # mitmproxy calls the stream callable with b"" and would then end the message cleanly. The
+    # client must get the breaker's error event and then a broken connection (a reset: after a
+    # FIN, http.client's read1() takes a body cut short under Content-Length as complete),
+    # and the delayed close must not kill the finished flow ('Unhandled error in task').
     proxy, upstream = real
     loop = ["Before answering, "] + ["I will check the configuration file again. "] * 40
     raw, ctype = frames("openai_chat", loop)
     case_id = os.urandom(6).hex()
-    Upstream.cases[case_id] = (ctype, None, [raw], False)  # one read, then the end
+    Upstream.cases[case_id] = (ctype, None, [raw], chunked)  # one read, then the end
     body = json.dumps({"model": "m", "stream": True,
                        "messages": [{"role": "user", "content": f"case {case_id}"}]}).encode()
     req = urllib.request.Request(f"{upstream}/case/{case_id}/v1/chat/completions", data=body,
