@@ -51,8 +51,11 @@ from fleettop.supervisor.sections_proxy import (
 log = logging.getLogger("fleettop.proxy")
 Report = Callable[[dict[str, Any]], None]
 _BASIC = re.compile(r"^\s*basic\s+(\S+)\s*$", re.I)
-# Text is handled in batches of this many chars (ring, detector, budget): their fixed cost per
-# call is most of their cost on one-token deltas. A trip comes at most this much later.
+# Chunks are parsed in batches of this many bytes, and the text they hold is booked in batches
+# of this many chars (ring, detector, budget): fixed costs per call are most of the cost of a
+# one-token event. A trip comes at most that much later (the batch is handled inline, by the
+# chunk callback that completes it, so an abort still happens in that callback).
+_PARSE_BYTES = 512
 _DETECT_CHARS = 128
 _BOOK_TOKENS = 32  # book output tokens on the budget this many at a time (and at the end)
 
@@ -93,7 +96,8 @@ class AgentState:
 
 class _FlowState:
     __slots__ = ("agent", "api", "parser", "detector", "body", "booked_in", "booked_out",
-                 "est_in", "chars_out", "aborted", "started", "pending", "pending_chars")
+                 "est_in", "chars_out", "aborted", "started", "pending", "pending_chars", "raw",
+                 "raw_bytes")
 
     def __init__(self, agent: AgentState, api: str | None, body: dict[str, Any] | None) -> None:
         self.agent = agent
@@ -109,6 +113,8 @@ class _FlowState:
         self.started = time.monotonic()
         self.pending: list[str] = []  # deltas not yet in the ring and the detector
         self.pending_chars = 0
+        self.raw: list[bytes] = []  # chunks relayed but not parsed yet
+        self.raw_bytes = 0
 
 
 class FleettopProxy:
@@ -300,15 +306,21 @@ class FleettopProxy:
             return data
         try:
             if data:
-                deltas = parser.feed(data)
-                if not deltas:
+                st.raw.append(data)
+                st.raw_bytes += len(data)
+                if st.raw_bytes < _PARSE_BYTES:
                     return data
-                st.pending += deltas
-                st.pending_chars += len(deltas[0]) if len(deltas) == 1 else sum(map(len, deltas))
-                if st.pending_chars < _DETECT_CHARS:
-                    return data
-            else:
+            if st.raw:
+                raw = st.raw[0] if len(st.raw) == 1 else b"".join(st.raw)
+                st.raw, st.raw_bytes = [], 0
+                deltas = parser.feed(raw)
+                if deltas:
+                    st.pending += deltas
+                    st.pending_chars += sum(map(len, deltas))
+            if not data:
                 st.pending += parser.finish()
+            elif st.pending_chars < _DETECT_CHARS:
+                return data
             trip = self._account(st, parser, final=not data)
         except Exception:  # never break the relay
             log.exception("fleettop addon: chunk handling failed")

@@ -295,16 +295,20 @@ class ResponseParser:
             return []
         self.info.texts = texts = []  # this chunk's deltas (a stream's would grow forever)
         if (self.framing == "sse" and data[:6] == b"data: " and data[-2:] == b"\n\n"
-                and data.count(b"\n") == 2 and not self._sse_data and not self.lines._buf
-                and b"\r" not in data):
-            # Fast path, the usual shape: one whole `data:` event per read.
-            payload = data[6:-2]
-            if payload[:1] != b"{" and payload.strip() == b"[DONE]":
-                self.info.done = True
-            else:
-                self._json(payload)
-            self._sse_event = ""
-            return texts
+                and not self._sse_data and not self.lines._buf and b"\r" not in data):
+            # Fast path, the usual shape: whole events of one `data:` line each. Every newline
+            # in a pair and every pair followed by "data: " (or the end) says just that.
+            events = data.count(b"\n\n")
+            if (data.count(b"\n") == 2 * events
+                    and (events == 1 or data.count(b"\n\ndata: ") == events - 1)):
+                for event in data[:-2].split(b"\n\n") if events > 1 else (data[:-2],):
+                    payload = event[6:]
+                    if payload[:1] != b"{" and payload.strip() == b"[DONE]":
+                        self.info.done = True
+                    else:
+                        self._json(payload)
+                self._sse_event = ""
+                return texts
         if self.framing == "json":
             if len(self._body) + len(data) <= MAX_JSON_BODY:
                 self._body += data
