@@ -36,11 +36,70 @@ _ASSIGNMENT = re.compile(
 
 
 def redact_text(text: str) -> str:
-    """Replace key-shaped substrings in free text."""
-    text = _KEY_SHAPES.sub(REDACTED, text)
-    text = _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
-    text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
-    return _ASSIGNMENT.sub(lambda m: m.group(1) + REDACTED, text)
+    """Replace key-shaped substrings in free text.
+
+    The same as the four substitutions in order, but each pattern is only tried where its
+    leading literal occurs (found with str.find): a regex scan of every position costs ~70 ns
+    a char per pattern, and the ring redacted for an incident is 16 KiB."""
+    text = _sub_at(_KEY_SHAPES, text, text, _KEY_PREFIXES, REDACTED)
+    text = _sub_at(_BEARER, text, _folded(text), _BEARER_WORDS,
+                   lambda m: f"{m.group(1)} {REDACTED}")
+    if "://" in text:
+        text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
+    return _sub_at(_ASSIGNMENT, text, _folded(text), _ASSIGNMENT_WORDS,
+                   lambda m: m.group(1) + REDACTED)
+
+
+# Where each pattern can start: every alternative begins with one of these literals.
+_KEY_PREFIXES = ("sk-", "pk-", "rk-", "AIza", "hf_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_",
+                 "github_pat_", "xoxa-", "xoxb-", "xoxp-", "xoxr-", "xoxs-", "AKIA", "ASIA",
+                 "gsk_", "r8_", "eyJ")
+_BEARER_WORDS = ("bearer", "basic", "token")
+_ASSIGNMENT_WORDS = ("api", "token", "secret", "passw")
+# Under re.IGNORECASE these match "i" and "s" too (the Kelvin sign lowercases to "k" itself).
+_FOLD = {0x131: "i", 0x17F: "s"}
+
+
+def _folded(text: str) -> str | None:
+    """`text` lowercased char for char, where an (?i) pattern's ASCII literals can be looked
+    up; None when lowercasing changes the length (then positions would not line up)."""
+    low = text.lower()
+    if not text.isascii():
+        if len(low) != len(text):
+            return None
+        low = low.translate(_FOLD)
+    return low
+
+
+def _sub_at(pattern: re.Pattern[str], text: str, hay: str | None, literals: tuple[str, ...],
+            repl: Any) -> str:
+    """`pattern.sub(repl, text)`, trying a match only where one of `literals` starts in `hay`
+    (None: everywhere)."""
+    if hay is None:
+        return pattern.sub(repl, text)
+    starts: set[int] = set()
+    for lit in literals:
+        at = hay.find(lit)
+        while at >= 0:
+            starts.add(at)
+            at = hay.find(lit, at + 1)
+    if not starts:
+        return text
+    out: list[str] = []
+    last = 0
+    for at in sorted(starts):
+        if at < last:
+            continue
+        m = pattern.match(text, at)
+        if m is None:
+            continue
+        out.append(text[last:at])
+        out.append(repl if isinstance(repl, str) else repl(m))
+        last = m.end()
+    if not out:
+        return text
+    out.append(text[last:])
+    return "".join(out)
 
 
 def redact_headers(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[str, str]:
