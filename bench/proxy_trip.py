@@ -5,7 +5,9 @@ upstream that falls into a loop after a prefix. The proxy trips (`token_loop: fr
 supervisor freezes the agent, we resume it, and it asks again: `--trips` times. Latency is from
 the upstream sending the chunk that completes the evidence (the event holding the trip's
 `at_char`, stamped with CLOCK_MONOTONIC) to `cgroup.events` saying `frozen 1` (woken by poll;
-the kernel signals that file on change), or /proc state `T` on the SIGSTOP fallback.
+the kernel signals that file on change) in a separate observer process (a thread of this one
+would need the GIL, which the supervisor here may hold for up to the 5 ms switch interval), or
+/proc state `T` on the SIGSTOP fallback.
 
     python bench/proxy_trip.py [--trips 50]
 """
@@ -16,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import select
 import sys
 import tempfile
 import threading
@@ -39,6 +40,62 @@ while True:
         pass
     time.sleep(0.05)
 """
+
+
+# Prints CLOCK_MONOTONIC ns each time cgroup.events turns to `frozen 1`.
+OBSERVER = r"""
+import os, select, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+poller = select.poll()
+poller.register(fd, select.POLLPRI | select.POLLERR)
+was = None
+print("ready", flush=True)
+while True:
+    os.lseek(fd, 0, 0)
+    frozen = b"frozen 1" in os.read(fd, 256)
+    if frozen and not was:
+        print(time.monotonic_ns(), flush=True)
+    was = frozen
+    poller.poll(1000)
+"""
+
+
+class FrozenObserver:
+    """The observer process above, its timestamps queued as they come."""
+
+    def __init__(self, cgroup: Path) -> None:
+        import queue
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, "-c", OBSERVER,
+                                      str(cgroup / "cgroup.events")],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == "ready"
+        self.times: queue.Queue[int] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.times.put(int(line))
+
+    def next_after(self, t_ns: int, timeout: float) -> int | None:
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                t = self.times.get(timeout=left)
+            except queue.Empty:
+                return None
+            if t >= t_ns:
+                return t
+        return None
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 class Upstream:
@@ -71,22 +128,9 @@ class Upstream:
         writer.close()
 
 
-def wait_frozen(cgroup: Path | None, pid: int, timeout: float) -> int | None:
-    """Block until the agent is frozen; returns CLOCK_MONOTONIC ns when it was seen."""
+def wait_frozen(pid: int, timeout: float) -> int | None:
+    """SIGSTOP fallback: block until the agent shows state T; CLOCK_MONOTONIC ns then."""
     deadline = time.monotonic() + timeout
-    if cgroup is not None:
-        fd = os.open(cgroup / "cgroup.events", os.O_RDONLY)
-        try:
-            poller = select.poll()
-            poller.register(fd, select.POLLPRI | select.POLLERR)
-            while time.monotonic() < deadline:
-                os.lseek(fd, 0, 0)
-                if b"frozen 1" in os.read(fd, 256):
-                    return time.monotonic_ns()
-                poller.poll(100)
-        finally:
-            os.close(fd)
-        return None
     while time.monotonic() < deadline:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -129,12 +173,17 @@ async def main(trips: int) -> dict:
     report_ms: list[float] = []  # → supervisor's ProxyLink has the report
     freeze_ms: list[float] = []  # → cgroup.events says frozen 1
     missed = resume_refused = 0
+    observer = None
     try:
         rt = sup.agents["looper"]
+        if rt.cgroup is not None:
+            observer = FrozenObserver(rt.cgroup)
         for _ in range(trips):
             pids = rt.pids()
+            t_asked = time.monotonic_ns()
             frozen = asyncio.create_task(asyncio.to_thread(
-                wait_frozen, rt.cgroup, pids[0] if pids else 0, 20.0))
+                observer.next_after, t_asked, 20.0) if observer is not None else
+                asyncio.to_thread(wait_frozen, pids[0] if pids else 0, 20.0))
             trip = None
             try:
                 while trip is None:
@@ -174,6 +223,8 @@ async def main(trips: int) -> dict:
                 break
             await asyncio.sleep(0.1)
     finally:
+        if observer is not None:
+            observer.close()
         sup.unsubscribe(events)
         await sup.shutdown()
         await link.stop()

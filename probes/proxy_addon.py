@@ -131,6 +131,9 @@ class FleettopProxy:
         self._authed: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._stats_task: asyncio.Task[None] | None = None
         self._prices = self.proxy.price_table()  # rebuilt on config, not per chunk
+        self._incident_stamp = ""
+        self._incidents: list[tuple[Path, dict[str, Any], str, list[dict[str, Any]]]] = []
+        self._incident_names: dict[str, int] = {}
 
     # --- options -------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
@@ -175,6 +178,7 @@ class FleettopProxy:
     def done(self) -> None:
         if self._stats_task:
             self._stats_task.cancel()
+        self._write_incidents()  # those still waiting for their turn
 
     # --- agents and auth -----------------------------------------------------------------
     def agent(self, name: str) -> AgentState:
@@ -441,42 +445,45 @@ class FleettopProxy:
         }
         folder = self._incident_folder(agent, event)
         event["incident"] = str(folder) if folder is not None else None
-        # The report (which freezes the agent) goes out first; the incident's files (a few ms:
-        # the ring is redacted and written) right after the chunk callback returns.
+        # The report (which freezes the agent) goes out first; the incident's folder and files
+        # (~1 ms: the ring is redacted and written) right after the chunk callback returns.
         self.report(event)
         if folder is not None:
-            snapshot = (agent.ring(), list(agent.requests))
+            self._incidents.append((folder, event, agent.ring(), list(agent.requests)))
             try:
-                asyncio.get_running_loop().call_soon(self._write_incident, folder, event,
-                                                     *snapshot)
+                asyncio.get_running_loop().call_soon(self._write_incidents)
             except RuntimeError:  # no loop (replay, tests): write now
-                self._write_incident(folder, event, *snapshot)
+                self._write_incidents()
         return blocks
 
+    def _write_incidents(self) -> None:
+        while self._incidents:
+            self._write_incident(*self._incidents.pop(0))
+
     def _incident_folder(self, agent: AgentState, event: dict[str, Any]) -> Path | None:
-        """Reserve `incidents/<time>-<agent>-<kind>[-n]/` (the files come after the report)."""
+        """Name `incidents/<time>-<agent>-<kind>[-n]/`; it is created with its files, after
+        the report (mkdir calls before it were most of the report's delay)."""
         if self.state_dir is None:
             return None
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(event["ts"]))
-        base = self.state_dir / "incidents" / f"{stamp}-{agent.name}-{event['kind']}"
-        folder, n = base, 1
-        try:
-            base.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            while True:
-                try:
-                    folder.mkdir(mode=0o700)
-                    return folder
-                except FileExistsError:
-                    n += 1
-                    folder = base.with_name(f"{base.name}-{n}")
-        except OSError:
-            log.exception("fleettop addon: cannot write incident")
-            return None
+        name = f"{stamp}-{agent.name}-{event['kind']}"
+        if self._incident_stamp != stamp:  # names are only reused within one second
+            self._incident_stamp, self._incident_names = stamp, {}
+        n = self._incident_names.get(name, 0) + 1
+        root = self.state_dir / "incidents"
+        folder = root / (name if n == 1 else f"{name}-{n}")
+        while folder.exists():  # left by an earlier proxy process in this second
+            n += 1
+            folder = root / f"{name}-{n}"
+        self._incident_names[name] = n
+        return folder
 
     @staticmethod
     def _write_incident(folder: Path, event: dict[str, Any], ring: str,
                         requests: list[dict[str, Any]]) -> None:
         try:
+            folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            folder.mkdir(mode=0o700, exist_ok=True)
             (folder / "response.txt").write_text(redact_text(ring))
             with open(folder / "requests.jsonl", "w") as fh:
                 for req in requests:
