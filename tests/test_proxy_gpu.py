@@ -35,6 +35,7 @@ def mock():
     yield url
     proc.terminate()
     proc.wait(timeout=5)
+    proc.stdout.close()
 
 
 def mock_get(mock: str, path: str) -> dict:
@@ -54,10 +55,11 @@ class Proxy:
         (tmp / "tokens.json").write_text(json.dumps(TOKENS))
         cfg = {"proxy": {"stats_interval": 0.2}, "gpu": {"stats_interval": 0.05, **gpu}}
         (tmp / "cfg.json").write_text(json.dumps(cfg))
+        self.stderr = open(tmp / "proxy.stderr", "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir", str(tmp),
              "--config", str(tmp / "cfg.json"), "--tokens", str(tmp / "tokens.json")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.events: queue.Queue[dict] = queue.Queue()
         self.seen: list[dict] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -114,6 +116,8 @@ class Proxy:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.proc.stdout.close()
+        self.stderr.close()
 
 
 @pytest.fixture

@@ -31,6 +31,10 @@ from fleettop.supervisor.demo import scripts
 Frame = tuple[bytes, bool]
 """One chunk to write, and whether it carries a text delta (the stream sleeps after those)."""
 
+# Per-request storage for the request log (typed keys where this aiohttp has them).
+_MODEL_KEY: Any = web.RequestKey("mock_model", str) if hasattr(web, "RequestKey") else "mock_model"
+_LIMITS_KEY: Any = (web.RequestKey("mock_limits", dict) if hasattr(web, "RequestKey")
+                    else "mock_limits")
 DEFAULT_KEEP_ALIVE = 300.0
 FOREVER = float("inf")
 
@@ -462,8 +466,8 @@ class MockLLM:
             entry["status"] = resp.status
             return resp
         finally:
-            entry["model"] = request.get("mock_model")
-            entry["limits"] = request.get("mock_limits") or {}
+            entry["model"] = request.get(_MODEL_KEY)
+            entry["limits"] = request.get(_LIMITS_KEY) or {}
             entry["end"] = time.time()
             state.in_flight -= 1
 
@@ -478,9 +482,9 @@ class MockLLM:
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             return bad_request(api, "model is required")
         self.state.requests[_base(body["model"])] += 1
-        request["mock_model"] = body["model"]
+        request[_MODEL_KEY] = body["model"]
         options = body.get("options") if isinstance(body.get("options"), dict) else {}
-        request["mock_limits"] = {k: v for k, v in (
+        request[_LIMITS_KEY] = {k: v for k, v in (
             ("max_tokens", body.get("max_tokens")),
             ("max_completion_tokens", body.get("max_completion_tokens")),
             ("num_ctx", options.get("num_ctx")), ("num_predict", options.get("num_predict")),
