@@ -354,7 +354,10 @@ class ResponseParser:
             self.malformed += 1
             return
         self.events += 1
-        extract_event(obj, self.info)
+        try:
+            extract_event(obj, self.info)
+        except Exception:  # an unexpected shape ("choices": 7): this event only, not the read
+            self.malformed += 1
 
     def finish(self) -> list[str]:
         """End of body: flush a trailing line/event, parse a buffered JSON body."""

@@ -126,3 +126,20 @@ def test_classify():
     assert classify("/api/chat") == "ollama_chat"
     assert classify("/api/generate") == "ollama_generate"
     assert classify("/api/tags") is None
+
+
+def test_several_sse_events_in_one_read_match_one_event_per_read():
+    # The fast path for reads of whole one-line `data:` events, malformed ones included.
+    body = (OPENAI_SSE.replace(b"data: [DONE]\n\n", b"")
+            + b"data: {not json\n\ndata: [1, 2]\n\ndata: {\"choices\": 7}\n\n"
+            + b'data: {"choices":[{"delta":{"content":"!"}}]} x\n\n'
+            + b'data: {"choices":[{"delta":{"content":"?"}}]}  \n\ndata: [DONE]\n\n')
+    events = [e + b"\n\n" for e in body.split(b"\n\n")[:-1]]
+    whole, single = ResponseParser("openai_chat", "text/event-stream"), ResponseParser(
+        "openai_chat", "text/event-stream")
+    got_whole = whole.feed(body) + whole.finish()
+    got_single = [t for e in events for t in single.feed(e)] + single.finish()
+    assert got_whole == got_single == ["Hel", "lo", " wor", "ld", "?"]
+    for attr in ("events", "malformed"):
+        assert getattr(whole, attr) == getattr(single, attr)
+    assert whole.info.done and whole.info.tokens_in == 7 and whole.info.model == "m1"
