@@ -262,11 +262,16 @@ class ProxyLink:
                       proxy_mono_ns=event.get("mono_ns"), link_mono_ns=time.monotonic_ns())
         if name not in getattr(self.sup, "agents", {name: None}):
             return
-        self.dump(name)  # the whole ring and the recent requests, for the inspector
-        if policy == "freeze":
-            await self.sup.freeze_agent(name, reason=reason, source="breaker", evidence=evidence)
-        elif policy == "kill":
-            await self.sup.stop_agent(name)
+        try:
+            if policy == "freeze":
+                await self.sup.freeze_agent(name, reason=reason, source="breaker",
+                                            evidence=evidence)
+            elif policy == "kill":
+                await self.sup.stop_agent(name)
+        finally:
+            # The whole ring and the recent requests, for the inspector: after the freeze,
+            # which the dump request (~0.1 ms) and its large reply would only delay.
+            self.dump(name)
 
     async def _follow_supervisor(self) -> None:
         subscribe = getattr(self.sup, "subscribe", None)
