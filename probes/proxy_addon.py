@@ -77,6 +77,7 @@ class AgentState:
     passthrough: int = 0
     errors: int = 0
     reported_total: int = -1
+    loop_score: float = 0.0
 
     def __post_init__(self) -> None:
         self.budget = BudgetTracker(self.breaker.budget_params())
@@ -285,6 +286,7 @@ class FleettopProxy:
         st.parser = wire.ResponseParser(st.api, flow.response.headers.get("content-type"),
                                         flow.response.headers.get("content-encoding"))
         st.agent.active_streams += 1
+        st.agent.loop_score = 0.0  # a new answer starts clean
         flow.response.stream = functools.partial(self._on_chunk, flow, st)
 
     def error(self, flow: http.HTTPFlow) -> None:
@@ -350,6 +352,8 @@ class FleettopProxy:
                 trip = st.detector.feed(text)
         if final and trip is None and agent.breaker.enabled:
             trip = st.detector.finish()
+        if agent.breaker.enabled:
+            agent.loop_score = st.detector.score  # the latest stream's, for the UI
         info = parser.info
         if info.model:
             agent.last_model = info.model
@@ -533,7 +537,7 @@ class FleettopProxy:
                "blocked": agent.blocked.to_json() if agent.blocked else None,
                "active_streams": agent.active_streams, "trips": agent.trips,
                "passthrough": agent.passthrough, "errors": agent.errors,
-               "text_chars": agent.text_total}
+               "text_chars": agent.text_total, "loop_score": agent.loop_score}
         if agent.text_total != agent.reported_total:
             agent.reported_total = agent.text_total
             out["text_tail"] = redact_text(agent.ring()[-1024:])

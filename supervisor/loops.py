@@ -312,6 +312,16 @@ class LoopDetector:
     def tail_text(self, chars: int = 8192) -> str:
         return self.buf[-chars:]
 
+    @property
+    def score(self) -> float:
+        """How close this text is to a trip, 0–1: the furthest tier's run of repeats toward
+        its trip (sentences or windows in a row that repeat earlier ones); 1 once tripped."""
+        if self.tripped is not None:
+            return 1.0
+        b = max(self._streaks.values(), default=0) / self.p.b_consecutive
+        c = self._c_hits / self.p.c_consecutive
+        return round(min(1.0, max(b, c)), 2)
+
     def feed(self, delta: str) -> Trip | None:
         if self.tripped is not None or not delta:
             return None

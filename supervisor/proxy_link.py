@@ -30,7 +30,7 @@ _LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "127.0.0.0/8", "0.0.0.0",
 _GPU_EVENTS = {"gpu.waited", "gpu.timeout", "route.changed", "route.failed", "governor.shrunk"}
 """Reports from the proxy's GPU addon that become fleet events as they are."""
 _STAT_FIELDS = ("tokens_in", "tokens_out", "cost", "req_per_min", "requests", "last_model",
-                "blocked", "active_streams", "trips", "text_tail")
+                "blocked", "active_streams", "trips", "loop_score", "text_tail")
 
 
 def write_ca_bundle(ca_cert: Path, out: Path) -> Path:
@@ -127,7 +127,8 @@ class ProxyLink:
                    cost_usd=stats.get("cost"), requests=stats.get("requests"),
                    req_per_min=stats.get("req_per_min"), last_model=stats.get("last_model"),
                    blocked=stats.get("blocked"), tokens_per_s=self._rates.get(name),
-                   trips=stats.get("trips"), last_text=self.texts.get(name, ""),
+                   trips=stats.get("trips"), loop_score=stats.get("loop_score"),
+                   last_text=self.texts.get(name, ""),
                    last_requests=self.requests.get(name, []))
         return out
 

@@ -226,3 +226,27 @@ def test_text_that_repeats_nothing_is_not_fingerprinted():
     for k in range(12):
         trip = trip or det.feed(para.replace("once more", f"again ({k})"))
     assert trip is not None and trip.evidence["tier"] == "unit_simhash"
+
+
+def test_score_climbs_toward_a_trip_and_stays_low_on_legit_text(corpus):
+    """`score` (the UI's Loop column): the run of repeats toward a trip, 1 once tripped."""
+    def scores(text: str) -> list[float]:
+        det = LoopDetector()
+        out = []
+        for i in range(0, len(text), 16):
+            det.feed(text[i : i + 16])
+            out.append(det.score)
+            if det.tripped:
+                break
+        return out
+
+    loops = [s for s in corpus if s["label"] == "loop"]
+    climbs = [scores(s["text"]) for s in loops]
+    caught = [c for c in climbs if c[-1] == 1.0]
+    assert len(caught) >= 0.97 * len(loops)
+    # Before the trip the score rose through intermediate values on most loops...
+    assert sum(any(0 < v < 1 for v in c) for c in caught) >= 0.5 * len(caught)
+    # ...and legit text never reaches 1, and mostly stays at 0.
+    legit = [s for s in corpus if s["label"] == "legit"]
+    assert all(max(scores(s["text"]), default=0) < 1.0 for s in legit)
+    assert sum(max(scores(s["text"]), default=0) == 0 for s in legit) >= 0.5 * len(legit)

@@ -229,6 +229,7 @@ def test_degenerate_stream_is_aborted_then_blocked_until_release(proxy, upstream
     assert blocked.value.code == 429
     body = json.loads(blocked.value.read())
     assert body["error"]["type"] == "fleettop_blocked" and "resume" in body["error"]["message"]
+    assert proxy.wait("proxy.stats", agent="looper")["loop_score"] == 1.0  # the UI's Loop
     proxy.command({"cmd": "release", "agent": "looper"})
     proxy.wait("proxy.released", agent="looper")
     with opener.open(chat(upstream, "hi", stream=False), timeout=5) as resp:
@@ -243,7 +244,7 @@ def test_legit_repetitive_stream_is_not_tripped(proxy, upstream):
                    for line in body.decode().split("\n\n") if line.startswith("data: {"))
     assert text == TABLE
     stats = proxy.wait("proxy.stats", agent="legit")
-    assert stats["blocked"] is None and stats["trips"] == 0
+    assert stats["blocked"] is None and stats["trips"] == 0 and stats["loop_score"] < 1.0
 
 
 def test_retry_loop_trips_across_requests(proxy, upstream):
