@@ -602,3 +602,16 @@ def test_core_section_does_not_import_textual() -> None:
     code = ("import sys, fleettop.supervisor.sections_ui; "
             "assert 'textual' not in sys.modules and 'fleettop.tui' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_lock_panel_shows_requests_queued_at_the_proxy() -> None:
+    snap = {"lock": {"holder": {"agent": "proxy:alice", "model": "demo-chat", "held_s": 3},
+                     "queue": [{"agent": "nightly", "waited_s": 2}]},
+            "components": [{"name": "proxy", "state": "running", "gpu": {"gate": {
+                "loaded": "demo-chat", "in_flight": 1, "holding": True,
+                "queue": [{"agent": "bob", "model": "qwen2.5:7b", "waited_s": 4.0}]}}}]}
+    text = LockPanel("GPU lock").build(snap, 0.0).plain
+    assert text.splitlines() == ["held proxy:alice demo-chat for 3s", "1. nightly waits 2s",
+                                 "proxy: demo-chat, 1 in flight", "  bob qwen2.5:7b waits 4s"]
+    snap["components"][0]["gpu"]["gate"] = {"loaded": None, "in_flight": 0, "queue": []}
+    assert "proxy" not in LockPanel("GPU lock").build(snap, 0.0).plain.replace("proxy:alice", "")

@@ -93,8 +93,25 @@ class LockPanel(Panel):
             out.append(f"{i}. {w.get('agent', '?')}{model} waits {fmt.duration(waited)}\n")
         if not queue:
             out.append("no waiters", style="dim")
+        gate = _proxy_gate(snapshot)
+        if gate and (gate.get("queue") or gate.get("in_flight")):
+            # Requests the proxy holds for shared agents: they queue there, not as tickets.
+            out.rstrip()
+            out.append(f"\nproxy: {gate.get('loaded') or '-'}, {gate.get('in_flight', 0)} in "
+                       "flight", style="bold")
+            for w in gate.get("queue") or []:
+                out.append(f"\n  {w.get('agent', '?')} {w.get('model') or ''} waits "
+                           f"{fmt.duration(w.get('waited_s'))}")
         out.rstrip()
         return out
+
+
+def _proxy_gate(snapshot: dict[str, Any]) -> dict[str, Any] | None:
+    for c in snapshot.get("components") or []:
+        if isinstance(c, dict) and c.get("name") == "proxy":
+            gate = (c.get("gpu") or {}).get("gate")
+            return gate if isinstance(gate, dict) else None
+    return None
 
 
 class VramPanel(Panel):
