@@ -59,7 +59,7 @@ def screen_text(app: FleettopApp) -> str:
     return "\n".join(line.rstrip() for line in console.export_text().splitlines())
 
 
-async def until(pilot: Pilot[Any], cond: Callable[[], bool], within: float = 5.0) -> None:
+async def until(pilot: Pilot[Any], cond: Callable[[], bool], within: float = 15.0) -> None:
     """Let the app run until `cond()` holds (fails the test after `within` s)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + within
@@ -615,3 +615,10 @@ def test_lock_panel_shows_requests_queued_at_the_proxy() -> None:
                                  "proxy: demo-chat, 1 in flight", "  bob qwen2.5:7b waits 4s"]
     snap["components"][0]["gpu"]["gate"] = {"loaded": None, "in_flight": 0, "queue": []}
     assert "proxy" not in LockPanel("GPU lock").build(snap, 0.0).plain.replace("proxy:alice", "")
+
+
+def test_money_shows_small_spends() -> None:
+    from fleettop.tui import format as fmt
+
+    assert [fmt.money(v) for v in (None, 0, 0.000116, 0.00000004, 0.0123, 12.5, 4321.7)] == [
+        "n/a", "0.00", "0.0001", "<.0001", "0.01", "12.50", "4322"]

@@ -46,7 +46,7 @@ COLUMNS: list[Column] = [
            _num("tokens_per_s")),
     Column("req", "Req", 5, lambda a: fmt.number(a.get("requests")), _num("requests"),
            compact=False),
-    Column("cost", "$", 6, lambda a: fmt.number(a.get("cost_usd"), "{:.2f}"), _num("cost_usd")),
+    Column("cost", "$", 6, lambda a: fmt.money(a.get("cost_usd")), _num("cost_usd")),
     Column("loop", "Loop", 4, lambda a: fmt.number(a.get("loop_score"), "{:.2f}"),
            _num("loop_score")),
     Column("leak", "MiB/m", 6, lambda a: fmt.slope_mib_min(a.get("leak_slope_bytes_per_s")),

@@ -89,6 +89,20 @@ def number(value: Any, fmt: str = "{:.0f}") -> str:
         return NA
 
 
+def money(value: Any) -> str:
+    """USD in 6 columns: cents once there are any, else the first digits of a fraction of one
+    (local and cheap models spend $0.0003 a turn: 0.00 would say nothing was spent)."""
+    if value is None:
+        return NA
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return NA
+    if v == 0 or v >= 0.01:
+        return f"{v:.2f}" if v < 1000 else f"{v:.0f}"
+    return f"{v:.4f}" if v >= 0.0001 else "<.0001"
+
+
 def slope_mib_min(bytes_per_s: Any) -> str:
     """Leak slope in MiB/min with a sign."""
     if bytes_per_s is None:
