@@ -109,6 +109,36 @@ class Ready(Strict):
         return self
 
 
+class Health(Strict):
+    """Liveness: checked every `interval` while the agent runs (after `ready:` passed, if it has
+    one); after `failures` failed checks in a row the agent is restarted (`agent.unhealthy`).
+    A frozen or stopping agent is not checked: it cannot answer."""
+
+    tcp: str | None = None
+    """host:port that must accept connections."""
+    http: str | None = None
+    """A URL that must answer HTTP (any status)."""
+    interval: Duration = 10.0
+    timeout: Duration = 2.0
+    """One check that takes longer fails."""
+    failures: int = Field(3, ge=1, le=100)
+    start_after: Duration = 0.0
+    """Grace after each start before the first check."""
+
+    @model_validator(mode="after")
+    def _one_probe(self) -> Health:
+        given = [k for k in ("tcp", "http") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of tcp, http")
+        if self.tcp:
+            host, _, port = self.tcp.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"tcp: expected host:port, got {self.tcp!r}")
+        if self.http and not re.match(r"^http://[^/]+", self.http):
+            raise ValueError(f"http: expected an http:// URL, got {self.http!r}")
+        return self
+
+
 class AgentSpec(Strict):
     name: str = ""
     cmd: list[StrictStr] | StrictStr
@@ -123,6 +153,8 @@ class AgentSpec(Strict):
     depends_on: list[str] = Field(default_factory=list)
     ready: Ready | None = None
     """Readiness probe: agents that depend on this one start once it passes."""
+    health: Health | None = None
+    """Liveness probe: restart the agent when it stops answering."""
     stop_timeout: Duration = 10.0
     stop_signal: Literal["TERM", "INT", "HUP", "QUIT", "KILL", "USR1", "USR2"] = "TERM"
     priority: int = 0

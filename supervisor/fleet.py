@@ -199,6 +199,46 @@ class Supervisor:
                 return
             await asyncio.sleep(0.05)
 
+    async def _watch_health(self, rt: AgentRuntime, run_id: int) -> None:
+        """Liveness for one run: `failures` failed checks in a row → restart."""
+        h = rt.spec.health
+        assert h is not None
+        await asyncio.sleep(h.start_after)
+        while not rt.ready.is_set():  # no point asking before it said it is up
+            if rt.run_id != run_id or rt.pid is None:
+                return
+            await asyncio.sleep(0.2)
+        failed = 0
+        while True:
+            await asyncio.sleep(h.interval)
+            if rt.run_id != run_id or rt.pid is None or self._closing:
+                return
+            if rt.state is not AgentState.RUNNING:  # frozen (can't answer), stopping, ...
+                failed = 0
+                continue
+            try:
+                ok = await asyncio.wait_for(_probe_once(h, None, rt), h.timeout)
+            except TimeoutError:
+                ok = False
+            if rt.run_id != run_id or rt.state is not AgentState.RUNNING:
+                continue
+            target = h.tcp or h.http
+            if ok:
+                if failed:
+                    self.emit("agent.healthy", rt.name, f"{target} answers again after "
+                              f"{failed} failed check(s)")
+                failed = 0
+                continue
+            failed += 1
+            if failed < h.failures:
+                self.emit("agent.warning", rt.name, f"health check failed ({failed}/"
+                          f"{h.failures}): {target} did not answer", check=target)
+                continue
+            self.emit("agent.unhealthy", rt.name, f"{failed} health checks in a row failed "
+                      f"({target}); restarting", check=target, failures=failed)
+            await self.restart_agent(rt.name, why="restarted: health checks failed")
+            return
+
     def _levels(self) -> list[list[str]]:
         """Agents grouped so each group's dependencies are all in earlier groups."""
         level: dict[str, int] = {}
@@ -258,6 +298,8 @@ class Supervisor:
             rt.ready.set()
         else:
             self._spawn_task(self._watch_ready(rt, rt.run_id))
+        if rt.spec.health is not None:
+            self._spawn_task(self._watch_health(rt, rt.run_id))
         if rt.spec.schedule:
             self._schedule_next(rt)  # the next slot is watched even while this run goes on
 
@@ -704,13 +746,14 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(rt.popen.pid, sig)
 
-    async def restart_agent(self, name: str) -> dict[str, Any]:
+    async def restart_agent(self, name: str,
+                            why: str = "restarted by user") -> dict[str, Any]:
         rt = self._agent(name)
         if rt.pid is not None:
             await self.stop_agent(name, reason="restart requested")
         rt.attempt = 0
         rt.restarts += 1
-        return await self._start_and_report(rt, "restarted by user")
+        return await self._start_and_report(rt, why)
 
     async def start_agent(self, name: str) -> dict[str, Any]:
         rt = self._agent(name)

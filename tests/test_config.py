@@ -65,6 +65,10 @@ MALFORMED = [
      "4:12: agents.a.ready: give exactly one of tcp, http, log"),
     ("agents:\n  a:\n    cmd: x\n    ready: {tcp: 'localhost'}\n",
      "4:12: agents.a.ready: tcp: expected host:port"),
+    ("agents:\n  a:\n    cmd: x\n    health: {tcp: '127.0.0.1:80', http: 'http://h/'}\n",
+     "4:13: agents.a.health: give exactly one of tcp, http"),
+    ("agents:\n  a:\n    cmd: x\n    health: {http: 'https://h/', interval: soon}\n",
+     "agents.a.health.interval"),
     ("agents:\n  a:\n    cmd: x\n    limits: {memroy: 1GiB}\n",
      "4:14: agents.a.limits.memroy: unknown key 'memroy' (did you mean 'memory'?)"),
 ]

@@ -347,3 +347,65 @@ async def test_memory_limit_is_enforced(tmp_path: Path) -> None:
             pytest.skip("no memory controller here, in cgroup v2 or v1")
         await wait_for(lambda: rt.state is AgentState.EXITED, 20, "the OOM kill")
         assert rt.exit_code == -signal.SIGKILL
+
+
+HANGS = """
+import http.server, socket, sys, threading, time
+port, hang_after = int(sys.argv[1]), float(sys.argv[2])
+server = http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+print("listening", flush=True)
+if hang_after > 0:
+    time.sleep(hang_after)
+    server.shutdown()  # the process lives on, answering nothing: a hung agent
+    server.socket.close()
+time.sleep(1000)
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_health_checks_restart_a_hung_agent(tmp_path: Path) -> None:
+    port = _free_port()
+    async for sup in running(tmp_path, {"agents": {"api": {
+            "cmd": [sys.executable, "-c", HANGS, str(port), "0.6"],
+            "ready": {"log": "listening"},
+            "health": {"http": f"http://127.0.0.1:{port}/", "interval": "0.2s",
+                       "timeout": "0.5s", "failures": 2}}}}):
+        rt = sup.agents["api"]
+        first = rt.pid
+        await wait_for(lambda: kinds(sup, "agent.unhealthy", "api"), 15, "unhealthy")
+        await wait_for(lambda: rt.pid not in (None, first) and rt.state is AgentState.RUNNING,
+                       15, "restarted")
+        ev = kinds(sup, "agent.unhealthy", "api")[0]
+        assert ev.data["failures"] == 2 and ev.data["check"].endswith(f":{port}/")
+        warnings = [e for e in kinds(sup, "agent.warning", "api") if "health" in e.reason]
+        assert len(warnings) == 1 and "(1/2)" in warnings[0].reason
+        assert not alive(first) and rt.restarts == 1
+        assert "health checks failed" in rt.reason
+
+
+async def test_a_frozen_agent_is_not_health_checked(tmp_path: Path) -> None:
+    port = _free_port()
+    async for sup in running(tmp_path, {"agents": {"api": {
+            "cmd": [sys.executable, "-c", HANGS, str(port), "0"],
+            "ready": {"log": "listening"},
+            "health": {"http": f"http://127.0.0.1:{port}/", "interval": "0.1s",
+                       "timeout": "0.3s", "failures": 1}}}}):
+        rt = sup.agents["api"]
+        await wait_for(lambda: rt.ready.is_set(), 10, "ready")
+        await asyncio.sleep(0.5)  # healthy: answers every check
+        pid = rt.pid
+        await sup.freeze_agent("api", reason="test")
+        await asyncio.sleep(1.5)  # a frozen server cannot answer; it must not be restarted
+        assert rt.pid == pid and rt.state is AgentState.FROZEN
+        assert not kinds(sup, "agent.unhealthy", "api")
+        await sup.resume_agent("api")
+        await asyncio.sleep(0.5)
+        assert rt.pid == pid and not kinds(sup, "agent.unhealthy", "api")
