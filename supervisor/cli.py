@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
         if verb == "stop":
             p.add_argument("--signal", choices=("TERM", "INT", "KILL", "HUP", "QUIT"))
+    rl = csub.add_parser("reload", help="re-read the fleet file: start new agents, stop removed "
+                         "ones, restart changed ones (a bad file changes nothing)")
+    rl.add_argument("--json", action="store_true")
     lg = csub.add_parser("logs", help="an agent's log tail")
     lg.add_argument("name")
     lg.add_argument("-n", type=int, default=50)
@@ -272,6 +275,15 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     elif verb == "events":
         for event in reply["events"]:
             _print_event(event, False)
+    elif verb == "reload":
+        for key, label in (("added", "started"), ("removed", "stopped"), ("changed", "restarted"),
+                           ("frozen_apply_later", "frozen; new entry applies at next start"),
+                           ("needs_fleettop_restart", "changed; restart fleettop to apply")):
+            if reply.get(key):
+                print(f"{label}: {', '.join(reply[key])}")
+        if not any(reply.get(k) for k in ("added", "removed", "changed",
+                                          "needs_fleettop_restart")):
+            print("no changes")
     else:
         extra = f" via {reply['via']}" if reply.get("via") else ""
         print(f"{args.name or args.pid}: {reply.get('state')}{extra}")

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fleettop.supervisor.fleet import Supervisor
 
-MUTATING = frozenset({"freeze", "resume", "restart", "stop", "start", "shutdown"})
+MUTATING = frozenset({"freeze", "resume", "restart", "stop", "start", "shutdown", "reload"})
 
 
 def _pid(req: dict[str, Any]) -> int | None:
@@ -62,6 +62,17 @@ async def dispatch(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
         if cmd == "events":
             n = int(req.get("n", 100))
             return {"ok": True, "events": [e.to_json() for e in list(sup.events)[-n:]]}
+        if cmd == "reload":
+            from fleettop.supervisor.config import FleetError, load_fleet
+
+            path = sup.fleet.path
+            if not path:
+                return {"ok": False, "error": "this fleet was not read from a file"}
+            try:
+                fleet = load_fleet(path)
+            except FleetError as exc:  # a bad file changes nothing
+                return {"ok": False, "error": f"fleet file not applied:\n{exc}"}
+            return await sup.reload(fleet)
         if cmd == "shutdown":
             sup.shutdown_mode = str(req.get("frozen", "stop"))
             sup.shutdown_requested.set()

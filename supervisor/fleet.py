@@ -755,6 +755,53 @@ class Supervisor:
         rt.restarts += 1
         return await self._start_and_report(rt, why)
 
+    async def reload(self, fleet: Fleet) -> dict[str, Any]:
+        """Apply a re-read fleet file: stop agents it no longer has, restart those whose entry
+        changed (a frozen one keeps running frozen: its new entry applies at its next start),
+        start new ones. Agents whose entry is the same are not touched. Fleet-wide sections
+        (proxy, gpu, probes, ...) are read at start: a change there is reported, not applied."""
+        old = self.fleet.agents
+        removed = [n for n in reversed(self.fleet.start_order()) if n not in fleet.agents]
+        changed = [n for n in fleet.start_order() if n in old and fleet.agents[n] != old[n]]
+        added = [n for n in fleet.start_order() if n not in old]
+        sections = [k for k in type(fleet).model_fields
+                    if k not in ("agents", "path", "version")
+                    and getattr(fleet, k, None) != getattr(self.fleet, k, None)]
+        for name in removed:
+            await self.stop_agent(name, reason="removed from the fleet file")
+            self.agents.pop(name, None)
+        self.fleet = fleet
+        later: list[str] = []
+        for name in changed:
+            rt = self.agents[name]
+            rt.spec = fleet.agents[name]
+            if rt.state is AgentState.FROZEN:
+                later.append(name)
+            elif not rt.spec.enabled:
+                await self.stop_agent(name, reason="disabled in the fleet file")
+            elif rt.spec.schedule and rt.pid is None:
+                await self.stop_agent(name, reason="schedule changed")
+                self._schedule_next(rt)
+            else:
+                await self.restart_agent(name, why="its entry in the fleet file changed")
+        for name in added:
+            rt = self.agents[name] = AgentRuntime(fleet.agents[name])
+            if not rt.spec.enabled:
+                rt.reason = "disabled in the fleet file"
+            elif rt.spec.schedule:
+                self._schedule_next(rt)
+            else:
+                await self._dependencies_ready(sorted(rt.spec.depends_on))
+                self._start_task(rt, "added to the fleet file")
+        summary = {"added": added, "removed": removed, "changed": changed,
+                   "frozen_apply_later": later, "needs_fleettop_restart": sections}
+        parts = [f"{k} {', '.join(v)}" for k, v in (("added", added), ("removed", removed),
+                                                     ("changed", changed)) if v]
+        self.emit("fleet.reloaded", None, "; ".join(parts) or "no agent changed"
+                  + (f"; restart fleettop to apply {', '.join(sections)}" if sections else ""),
+                  **summary)
+        return {"ok": True, **summary}
+
     async def start_agent(self, name: str) -> dict[str, Any]:
         rt = self._agent(name)
         if rt.pid is not None or rt.state is AgentState.WAITING:

@@ -203,3 +203,51 @@ def test_run_for_duration_ends_by_itself(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     kinds = [json.loads(line)["kind"] for line in run.stdout.splitlines()]
     assert "fleet.started" in kinds and kinds[-1] == "fleet.stopped"
+
+
+def test_reload_applies_the_changed_fleet_file_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+
+    def write(agents: dict, **extra) -> None:
+        fleet.write_text(json.dumps({"agents": agents, **extra}))
+
+    write({"keep": {"cmd": ["sleep", "1000"]}, "edit": {"cmd": ["sleep", "1000"]},
+           "drop": {"cmd": ["sleep", "1000"]}})
+    proc = subprocess.Popen([*FLEETTOP, "run", "--headless", str(fleet), "--no-telemetry"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: paths.socket_path(fleet).exists() and all(
+            a["state"] == "running" for a in status(fleet)["agents"]), what="fleet up")
+        before = {a["name"]: a["pid"] for a in status(fleet)["agents"]}
+        write({"keep": {"cmd": ["sleep", "1000"]}, "edit": {"cmd": ["sleep", "2000"]},
+               "new": {"cmd": ["sleep", "1000"], "depends_on": ["keep"]}},
+              proxy={"port": 1234})
+        reply = json.loads(ctl(fleet, "reload", "--json").stdout)
+        assert (reply["added"], reply["removed"], reply["changed"]) == (["new"], ["drop"],
+                                                                        ["edit"])
+        assert reply["needs_fleettop_restart"] == ["proxy"]
+        wait_until(lambda: agent(fleet, "new")["state"] == "running", what="new agent")
+        after = {a["name"]: a for a in status(fleet)["agents"]}
+        assert set(after) == {"keep", "edit", "new"}
+        assert after["keep"]["pid"] == before["keep"]  # untouched
+        assert after["edit"]["pid"] != before["edit"] and after["edit"]["state"] == "running"
+        wait_until(lambda: not _alive(before["drop"]) and not _alive(before["edit"]),
+                   what="the dropped and the replaced processes gone")
+        # A bad file: a clear error with its position, and nothing changes.
+        fleet.write_text('{"agents": {"keep": {"cmd": ["sleep", "1000"], "restrat": "no"}}}')
+        bad = ctl(fleet, "reload", check=False)
+        assert bad.returncode == 1 and "fleet file not applied" in bad.stderr
+        assert "restrat" in bad.stderr and "fleet.yaml:1:" in bad.stderr
+        assert {a["name"]: a["pid"] for a in status(fleet)["agents"]} == {
+            n: a["pid"] for n, a in after.items()}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -409,3 +409,18 @@ async def test_a_frozen_agent_is_not_health_checked(tmp_path: Path) -> None:
         await sup.resume_agent("api")
         await asyncio.sleep(0.5)
         assert rt.pid == pid and not kinds(sup, "agent.unhealthy", "api")
+
+
+async def test_reload_leaves_a_frozen_agent_frozen_until_its_next_start(tmp_path: Path) -> None:
+    async for sup in running(tmp_path, {"agents": {"held": {"cmd": ["sleep", "1000"]}}}):
+        rt = sup.agents["held"]
+        await wait_for(lambda: rt.state is AgentState.RUNNING, 10, "running")
+        pid = rt.pid
+        await sup.freeze_agent("held", reason="inspect")
+        reply = await sup.reload(fleet_of(tmp_path, {"agents": {"held": {
+            "cmd": ["sleep", "2000"]}, "cron": {"cmd": ["true"], "schedule": "0 3 * * *"}}}))
+        assert reply["changed"] == ["held"] and reply["frozen_apply_later"] == ["held"]
+        assert reply["added"] == ["cron"] and sup.agents["cron"].state is AgentState.SCHEDULED
+        assert rt.pid == pid and rt.state is AgentState.FROZEN
+        assert rt.spec.cmd == ["sleep", "2000"]  # what its next start runs
+        assert kinds(sup, "fleet.reloaded")[-1].data["frozen_apply_later"] == ["held"]
