@@ -175,9 +175,16 @@ class FleettopGpu:
             self.apply_config(raw.get("gpu") or {})
 
     def apply_config(self, raw: dict[str, Any]) -> None:
+        """Also on `reload`: a gate with requests queued or in flight is kept (new limits)."""
         self.cfg = GpuConfig.from_json(raw)
-        self.tracker = ActivityTracker(self.cfg.activity)
-        self.gates.clear()
+        if self.tracker.path != self.cfg.activity:
+            self.tracker = ActivityTracker(self.cfg.activity)
+        for folder, gate in list(self.gates.items()):
+            if self.cfg.lock_dir is not None and folder == str(self.cfg.lock_dir):
+                gate.max_wait = self.cfg.batch_max_wait
+                gate.max_in_flight = self.cfg.max_in_flight
+            elif not gate.queue and not gate.in_flight:
+                del self.gates[folder]
 
     @property
     def gate(self) -> GpuGate | None:

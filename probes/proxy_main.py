@@ -57,6 +57,18 @@ class _Out:
                 pass
 
 
+class _Both:
+    """Supervisor commands go to the breaker's addon; `reload` reaches the GPU addon too."""
+
+    def __init__(self, addon: FleettopProxy, gpu: FleettopGpu) -> None:
+        self.addon, self.gpu = addon, gpu
+
+    def command(self, cmd: dict[str, Any]) -> None:
+        if cmd.get("cmd") == "reload":
+            self.gpu.configure({"fleettop_config"})
+        self.addon.command(cmd)
+
+
 def _protect_ca(confdir: Path) -> None:
     for path in confdir.glob("mitmproxy-ca*"):
         if not path.name.endswith("-cert.pem") and not path.name.endswith("-cert.cer"):
@@ -91,7 +103,8 @@ async def _run(args: argparse.Namespace, out: _Out, cfg: dict[str, Any]) -> int:
     addon = FleettopProxy(report=out)
     # Order matters: FleettopProxy authenticates and parses first; the GPU addon then routes,
     # waits for the GPU and caps (probes/proxy_gpu.py).
-    master.addons.add(addon, FleettopGpu(report=out))
+    gpu = FleettopGpu(report=out)
+    master.addons.add(addon, gpu)
     proxy_cfg = cfg.get("proxy") or {}
     updates: dict[str, Any] = {
         "fleettop_config": str(cfg_path), "fleettop_state": str(state),
@@ -110,7 +123,7 @@ async def _run(args: argparse.Namespace, out: _Out, cfg: dict[str, Any]) -> int:
     run = loop.create_task(master.run())
 
     if not args.no_stdin:
-        stdin_commands(addon, loop, sys.stdin, on_eof=master.shutdown)
+        stdin_commands(_Both(addon, gpu), loop, sys.stdin, on_eof=master.shutdown)
 
     for _ in range(200):  # wait until the listeners are bound
         await asyncio.sleep(0.02)

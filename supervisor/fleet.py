@@ -84,6 +84,8 @@ class Supervisor:
         callable returning one, per name."""
         self.resume_hooks: list[Callable[[str], Any]] = []
         """Called (awaited if async) with the agent's name just before it is thawed."""
+        self.reload_hooks: list[Callable[[Fleet], Any]] = []
+        """Called (awaited if async) with the new fleet after a reload, before agents start."""
         self.stop_hooks: list[Callable[[], Any]] = []
         """Awaited after every agent has stopped (proxy, probes, servers shut down here)."""
         self.externals: dict[int, dict[str, Any]] = {}
@@ -771,6 +773,13 @@ class Supervisor:
             await self.stop_agent(name, reason="removed from the fleet file")
             self.agents.pop(name, None)
         self.fleet = fleet
+        for hook in self.reload_hooks:  # e.g. the proxy learns new agents' settings
+            try:
+                result = hook(fleet)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception as exc:  # noqa: BLE001 - a hook never stops a reload
+                self.emit("fleet.warning", None, f"reload hook failed: {exc}")
         later: list[str] = []
         for name in changed:
             rt = self.agents[name]

@@ -166,9 +166,16 @@ class ProxyLink:
                 **({"gpu": self.gpu_state} if self.gpu_state else {})}
 
     # --- process -------------------------------------------------------------------------
-    async def start(self, ready_s: float = 30.0) -> dict[str, Any]:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        cfg = {
+    def reload(self, agent_breakers: dict[str, Any], gpu: dict[str, Any] | None) -> None:
+        """New per-agent settings after a fleet reload: rewrite the config, tell the proxy."""
+        self.agent_breakers = {k: v for k, v in agent_breakers.items() if v is not None}
+        if gpu is not None:
+            self.gpu = gpu
+        self._write_private(self.config_file, self._config())
+        self.send({"cmd": "reload"})
+
+    def _config(self) -> dict[str, Any]:
+        return {
             "proxy": self.proxy.model_dump(mode="json"),
             "breaker": self.breaker.model_dump(mode="json"),
             "agents": {k: v.model_dump(mode="json", exclude_none=True)
@@ -177,8 +184,14 @@ class ProxyLink:
                                                     if self.proxy.reverse_base_port else 0)}
                         for i, (a, u) in enumerate(sorted(self.proxy.reverse.items()))},
             "gpu": self.gpu,
+            # Known once the proxy is up (it picks the reverse ports); kept across a reload.
+            **({"reverse_ports": {str(p): a for a, p in self.reverse_ports.items()}}
+               if self.reverse_ports else {}),
         }
-        self._write_private(self.config_file, cfg)
+
+    async def start(self, ready_s: float = 30.0) -> dict[str, Any]:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._write_private(self.config_file, self._config())
         self._write_private(self.tokens_file, self.tokens)
         ready = await self._spawn(ready_s)
         self._spawn_task(self._supervise())

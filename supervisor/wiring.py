@@ -46,6 +46,8 @@ async def _proxy(sup: Supervisor) -> None:
                      agent_breakers={n: s.breaker for n, s in fleet.agents.items()},
                      gpu=proxy_gpu_config(fleet, sup.state_dir))
     link.register()
+    sup.reload_hooks.append(lambda new: link.reload(
+        {n: s.breaker for n, s in new.agents.items()}, proxy_gpu_config(new, sup.state_dir)))
     await link.start()
     sup.stop_hooks.append(link.stop)
     sup.components["proxy"] = lambda: {**link.component(), "detail": f"127.0.0.1:{link.port}"}

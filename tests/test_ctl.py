@@ -226,6 +226,8 @@ def test_reload_applies_the_changed_fleet_file_and_refuses_a_bad_one(tmp_path: P
         assert (reply["added"], reply["removed"], reply["changed"]) == (["new"], ["drop"],
                                                                         ["edit"])
         assert reply["needs_fleettop_restart"] == ["proxy"]
+        events = json.loads(ctl(fleet, "events", "--json", "-n", "500").stdout)["events"]
+        assert not [e for e in events if e["kind"] == "fleet.warning"]  # the proxy took it
         wait_until(lambda: agent(fleet, "new")["state"] == "running", what="new agent")
         after = {a["name"]: a for a in status(fleet)["agents"]}
         assert set(after) == {"keep", "edit", "new"}

@@ -440,3 +440,24 @@ def test_a_fleet_of_shared_agents_takes_turns_on_a_local_gpu_server(tmp_path):
     assert all(e["data"].get("exit_code") == 0 for e in ends), ends
     assert stats["total"] == 4 and stats["max_in_flight"] == 1
     assert not overlapped(log)
+
+
+def test_reload_applies_new_agent_gpu_modes(make_proxy, mock, tmp_path):
+    mock_reset(mock)
+    cfg = gpu_config(tmp_path, mock, lock_timeout=0.5, agents={"alice": "none"})
+    proxy = make_proxy(cfg)
+    holder = GpuLock(tmp_path / "gpu", name="nightly-job")
+    holder.acquire()
+    try:
+        url = mock + "/v1/chat/completions"
+        assert proxy.post("alice", url, chat("demo-chat", stream=False))[0] == 200
+        raw = json.loads((tmp_path / "cfg.json").read_text())
+        raw["gpu"]["agents"] = {"alice": "shared"}  # as ProxyLink.reload writes it
+        (tmp_path / "cfg.json").write_text(json.dumps(raw))
+        proxy.proc.stdin.write(json.dumps({"cmd": "reload"}) + "\n")
+        proxy.proc.stdin.flush()
+        assert proxy.wait("proxy.reply", pred=lambda e: e.get("cmd") == "reload")["ok"]
+        status, body = proxy.post("alice", url, chat("demo-chat", stream=False))
+        assert status == 503 and body["error"]["type"] == "fleettop_gpu_busy"
+    finally:
+        holder.release()
