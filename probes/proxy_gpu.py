@@ -205,18 +205,23 @@ class FleettopGpu:
             return
         st = flow.metadata.get("fleettop_flow")
         body = getattr(st, "body", None)
+        generation = body is not None
+        if body is None and flow.request.method == "POST" and self._gpu_backend(
+                flow.request.url) is not None:
+            body = _json_body(flow)  # embeddings and the like load models too
         if not isinstance(body, dict) or flow.request.method != "POST":
             if flow.request.host == ROUTER_HOST:
                 flow.response = self._router_answer(flow)
             return
         try:
-            await self._handle(flow, name, body)
+            await self._handle(flow, name, body, generation)
         except Exception as exc:  # never break the relay: one request gets the error
             log.exception("fleettop gpu addon: request handling failed")
             self._finish(flow)
             flow.response = _error(502, "fleettop_gpu", f"fleettop proxy: {exc}")
 
-    async def _handle(self, flow: http.HTTPFlow, name: str, body: dict[str, Any]) -> None:
+    async def _handle(self, flow: http.HTTPFlow, name: str, body: dict[str, Any],
+                      generation: bool = True) -> None:
         changed = False
         p = _Pass(name)
         flow.metadata["fleettop_gpu"] = p
@@ -260,7 +265,7 @@ class FleettopGpu:
                 self.report({"event": "gpu.waited", "agent": name, "model": model,
                              "waited": round(p.waited, 3), "ts": time.time(),
                              "reason": f"waited {p.waited:.1f}s for the GPU"})
-        if backend is not None or self._is_local(flow.request.url):
+        if generation and (backend is not None or self._is_local(flow.request.url)):
             changed |= self._shrink(name, body)
         if backend is not None:
             p.activity = (backend, model)
@@ -481,6 +486,15 @@ def _open_nvml() -> Any:
     from fleettop.supervisor.evictor import NvmlMemory
 
     return NvmlMemory.open()
+
+
+def _json_body(flow: http.HTTPFlow) -> dict[str, Any] | None:
+    """A JSON object body with a model (an endpoint the wire parsers don't know), else None."""
+    try:
+        body = json.loads(flow.request.get_content(strict=False) or b"")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return body if isinstance(body, dict) and isinstance(body.get("model"), str) else None
 
 
 def _same_host(a: str, b: str) -> bool:

@@ -461,3 +461,21 @@ def test_reload_applies_new_agent_gpu_modes(make_proxy, mock, tmp_path):
         assert status == 503 and body["error"]["type"] == "fleettop_gpu_busy"
     finally:
         holder.release()
+
+
+def test_embeddings_to_a_gpu_server_are_gated_too(make_proxy, mock, tmp_path):
+    """Endpoints the wire parsers don't know (embeddings) still load models: gated too."""
+    mock_reset(mock)
+    proxy = make_proxy(gpu_config(tmp_path, mock, lock_timeout=0.5))
+    body = {"model": "demo-chat", "input": ["some text"]}
+    holder = GpuLock(tmp_path / "gpu", name="nightly-job")
+    holder.acquire()
+    try:
+        status, reply = proxy.post("alice", mock + "/api/embed", body)
+        assert status == 503 and reply["error"]["type"] == "fleettop_gpu_busy"
+        assert not mock_get(mock, "/mock/log")["requests"]  # held at the proxy
+    finally:
+        holder.release()
+    status, _ = proxy.post("alice", mock + "/api/embed", body)
+    assert status == 404  # the mock has no embeddings endpoint: it got the request now
+    assert [e["path"] for e in mock_get(mock, "/mock/log")["requests"]] == ["/api/embed"]
