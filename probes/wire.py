@@ -247,6 +247,38 @@ def _collect_content(content: Any, out: Extract) -> None:
                 out.texts.append(json.dumps(block["input"]))
 
 
+def _scan_events(data: bytes, events: int) -> list[Any] | None:
+    """The JSON objects of `events` SSE events of one `data: {...}` line each (the fast path's
+    shape), decoded and scanned in one go; None when any is not exactly what `_json` would take
+    alone (not an object, extra data, bad UTF-8): the caller then goes event by event.
+
+    An object cannot run past its line: the next line starts with `data:`, which no JSON value
+    may hold outside a string, and no string may hold a raw newline."""
+    try:
+        text = data.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+    objs = []
+    pos, last = 6, len(text) - 2
+    try:
+        for _ in range(events):
+            if text[pos] != "{":
+                return None
+            obj, end = _scan(text, pos)
+            line_end = text.index("\n", end)
+            if line_end != end and text[end:line_end].strip(" \t"):
+                return None  # extra data after the object
+            objs.append(obj)
+            if line_end == last:
+                break
+            if text[line_end : line_end + 8] != "\n\ndata: ":
+                return None
+            pos = line_end + 8
+    except (ValueError, StopIteration, IndexError):
+        return None
+    return objs if len(objs) == events and line_end == last else None
+
+
 class ResponseParser:
     """Feed raw (still encoded) response bytes; read back text deltas, usage and model.
 
@@ -301,6 +333,17 @@ class ResponseParser:
             events = data.count(b"\n\n")
             if (data.count(b"\n") == 2 * events
                     and (events == 1 or data.count(b"\n\ndata: ") == events - 1)):
+                objs = _scan_events(data, events)
+                if objs is not None:  # all of them JSON objects, each alone on its line
+                    self.events += events
+                    info = self.info
+                    for obj in objs:
+                        try:
+                            extract_event(obj, info)
+                        except Exception:  # as in _json: this event only
+                            self.malformed += 1
+                    self._sse_event = ""
+                    return texts
                 for event in data[:-2].split(b"\n\n") if events > 1 else (data[:-2],):
                     payload = event[6:]
                     if payload[:1] != b"{" and payload.strip() == b"[DONE]":
