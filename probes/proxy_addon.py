@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import functools
 import json
 import logging
 import os
@@ -287,7 +286,19 @@ class FleettopProxy:
                                         flow.response.headers.get("content-encoding"))
         st.agent.active_streams += 1
         st.agent.loop_score = 0.0  # a new answer starts clean
-        flow.response.stream = functools.partial(self._on_chunk, flow, st)
+        on_chunk = self._on_chunk
+
+        def relay(data: bytes) -> Any:
+            # Most calls only add the chunk to the parse batch: that much is done here, without
+            # the call into _on_chunk (same steps, same order as there).
+            if (data and st.raw_bytes + len(data) < _PARSE_BYTES and st.parser is not None
+                    and not st.aborted):
+                st.raw.append(data)
+                st.raw_bytes += len(data)
+                return data
+            return on_chunk(flow, st, data)
+
+        flow.response.stream = relay
 
     def error(self, flow: http.HTTPFlow) -> None:
         st: _FlowState | None = flow.metadata.get("fleettop_flow")

@@ -213,6 +213,11 @@ def _choices(obj: dict[str, Any], out: Extract) -> None:
             continue
         for holder in (choice.get("delta"), choice.get("message")):
             if holder and isinstance(holder, dict):
+                if _HOLDER_RARE.isdisjoint(holder):  # the usual delta: content (and role)
+                    t = holder.get("content")
+                    if t and isinstance(t, str):
+                        texts.append(t)
+                    continue
                 for key in _HOLDER_KEYS:
                     t = holder.get(key)
                     if t and isinstance(t, str):
@@ -229,6 +234,7 @@ def _choices(obj: dict[str, Any], out: Extract) -> None:
 
 
 _HOLDER_KEYS = ("reasoning_content", "reasoning", "content")
+_HOLDER_RARE = frozenset(("reasoning_content", "reasoning", "tool_calls"))
 
 
 def _collect_content(content: Any, out: Extract) -> None:
