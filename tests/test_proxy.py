@@ -185,7 +185,13 @@ def test_relays_chunk_by_chunk(proxy, upstream):
         assert first.startswith(b"data: ")
         assert "slow" not in Upstream.finished  # the first byte came before the stream ended
         rest = resp.read()
-    assert rest.endswith(b"data: [DONE]\n\n") and "slow" in Upstream.finished
+    assert rest.endswith(b"data: [DONE]\n\n")
+    # The upstream's thread marks the stream finished just after its last write, which the
+    # proxy may already have relayed to us.
+    deadline = time.monotonic() + 5
+    while "slow" not in Upstream.finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "slow" in Upstream.finished
 
 
 def test_407_without_or_with_wrong_credentials(proxy, upstream):
