@@ -78,6 +78,18 @@ class LogSettings(Strict):
     tail_lines: int = Field(500, ge=10)
 
 
+def _one_target(probe: Any, kinds: tuple[str, ...]) -> None:
+    """A probe names exactly one target; tcp is host:port, http an http:// URL."""
+    if sum(1 for k in kinds if getattr(probe, k)) != 1:
+        raise ValueError(f"give exactly one of {', '.join(kinds)}")
+    if probe.tcp:
+        host, _, port = probe.tcp.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"tcp: expected host:port, got {probe.tcp!r}")
+    if probe.http and not re.match(r"^http://[^/]+", probe.http):
+        raise ValueError(f"http: expected an http:// URL, got {probe.http!r}")
+
+
 class Ready(Strict):
     """When a started agent counts as ready, for the agents that depend on it."""
 
@@ -92,15 +104,7 @@ class Ready(Strict):
 
     @model_validator(mode="after")
     def _one_probe(self) -> Ready:
-        given = [k for k in ("tcp", "http", "log") if getattr(self, k)]
-        if len(given) != 1:
-            raise ValueError("give exactly one of tcp, http, log")
-        if self.tcp:
-            host, _, port = self.tcp.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"tcp: expected host:port, got {self.tcp!r}")
-        if self.http and not re.match(r"^http://[^/]+", self.http):
-            raise ValueError(f"http: expected an http:// URL, got {self.http!r}")
+        _one_target(self, ("tcp", "http", "log"))
         if self.log:
             try:
                 re.compile(self.log)
@@ -127,15 +131,7 @@ class Health(Strict):
 
     @model_validator(mode="after")
     def _one_probe(self) -> Health:
-        given = [k for k in ("tcp", "http") if getattr(self, k)]
-        if len(given) != 1:
-            raise ValueError("give exactly one of tcp, http")
-        if self.tcp:
-            host, _, port = self.tcp.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"tcp: expected host:port, got {self.tcp!r}")
-        if self.http and not re.match(r"^http://[^/]+", self.http):
-            raise ValueError(f"http: expected an http:// URL, got {self.http!r}")
+        _one_target(self, ("tcp", "http"))
         return self
 
 

@@ -386,7 +386,7 @@ async def test_health_checks_restart_a_hung_agent(tmp_path: Path) -> None:
         ev = kinds(sup, "agent.unhealthy", "api")[0]
         assert ev.data["failures"] == 2 and ev.data["check"].endswith(f":{port}/")
         warnings = [e for e in kinds(sup, "agent.warning", "api") if "health" in e.reason]
-        assert len(warnings) == 1 and "(1/2)" in warnings[0].reason
+        assert warnings and "(1/2)" in warnings[-1].reason
         assert not alive(first) and rt.restarts == 1
         assert "health checks failed" in rt.reason
 
@@ -396,19 +396,22 @@ async def test_a_frozen_agent_is_not_health_checked(tmp_path: Path) -> None:
     async for sup in running(tmp_path, {"agents": {"api": {
             "cmd": [sys.executable, "-c", HANGS, str(port), "0"],
             "ready": {"log": "listening"},
+            # Two failures in a row: one slow answer on a loaded machine is not a hang.
             "health": {"http": f"http://127.0.0.1:{port}/", "interval": "0.1s",
-                       "timeout": "0.3s", "failures": 1}}}}):
+                       "timeout": "1s", "failures": 2}}}}):
         rt = sup.agents["api"]
         await wait_for(lambda: rt.ready.is_set(), 10, "ready")
         await asyncio.sleep(0.5)  # healthy: answers every check
         pid = rt.pid
         await sup.freeze_agent("api", reason="test")
-        await asyncio.sleep(1.5)  # a frozen server cannot answer; it must not be restarted
+        await asyncio.sleep(3.0)  # a frozen server cannot answer; it must not be restarted
         assert rt.pid == pid and rt.state is AgentState.FROZEN
-        assert not kinds(sup, "agent.unhealthy", "api")
+        assert not kinds(sup, "agent.unhealthy", "api"), [
+            (round(e.ts % 100, 3), e.kind, e.reason) for e in sup.events]
         await sup.resume_agent("api")
         await asyncio.sleep(0.5)
-        assert rt.pid == pid and not kinds(sup, "agent.unhealthy", "api")
+        assert rt.pid == pid and not kinds(sup, "agent.unhealthy", "api"), [
+            (round(e.ts % 100, 3), e.kind, e.reason) for e in sup.events]
 
 
 async def test_reload_leaves_a_frozen_agent_frozen_until_its_next_start(tmp_path: Path) -> None:
