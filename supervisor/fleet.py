@@ -215,15 +215,19 @@ class Supervisor:
             await asyncio.sleep(h.interval)
             if rt.run_id != run_id or rt.pid is None or self._closing:
                 return
-            if rt.state is not AgentState.RUNNING:  # frozen (can't answer), stopping, ...
+            # Frozen (it can't answer), stopping, or a freeze/resume under way (the cgroup may
+            # be frozen before the state says so): no verdict now.
+            if rt.state is not AgentState.RUNNING or rt.op_lock.locked():
                 failed = 0
                 continue
+            since = rt.since
             try:
                 ok = await asyncio.wait_for(_probe_once(h, None, rt), h.timeout)
             except TimeoutError:
                 ok = False
-            if rt.run_id != run_id or rt.state is not AgentState.RUNNING:
-                continue
+            if (rt.run_id != run_id or rt.state is not AgentState.RUNNING
+                    or rt.since != since or rt.op_lock.locked()):
+                continue  # its state moved while we asked: the answer says nothing
             target = h.tcp or h.http
             if ok:
                 if failed:
