@@ -213,7 +213,9 @@ async def test_freeze_an_external_pid(tmp_path: Path) -> None:
             assert snap["external"][0]["pid"] == ext.pid
             assert snap["external"][0]["state"] == "frozen"
             reply = await sup.command({"cmd": "resume", "pid": ext.pid})
-            assert reply["ok"] and proctree.proc_state(ext.pid) == "S"
+            assert reply["ok"]
+            # SIGCONT makes it runnable (R) for a moment before it sleeps again (S).
+            await wait_for(lambda: proctree.proc_state(ext.pid) == "S", 5, "asleep again")
             assert (await sup.command({"cmd": "freeze", "pid": 999999}))["ok"] is False
     finally:
         ext.kill()
