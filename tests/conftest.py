@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,3 +39,13 @@ def write_fleet(tmp: Path, text: str, name: str = "fleet.yaml") -> Path:
     path = tmp / name
     path.write_text(text)
     return path
+
+
+def end_by_eof(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """Stop a process that exits when its stdin closes (the proxy); kill it if it doesn't."""
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -27,7 +27,7 @@ import pytest
 
 from fleettop.supervisor.proxy_link import proxy_env, write_ca_bundle
 from tests.agents_venv import agents_python
-from tests.conftest import FLEETTOP, needs_cgroups
+from tests.conftest import FLEETTOP, end_by_eof, needs_cgroups
 
 PY = sys.executable
 SECRET = "sk-proj-FLEETTOPtest0123456789abcdefXYZ"  # every client sends it; none may be stored
@@ -354,12 +354,7 @@ class Proxy:
         return env
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end_by_eof(self.proc, timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from fleettop.supervisor.gpulock import GpuLock
+from tests.conftest import end_by_eof
 
 TOKENS = {"alice": "a" * 32, "bob": "b" * 32, "carol": "c" * 32, "excl": "e" * 32}
 
@@ -110,12 +111,7 @@ class Proxy:
             return e.code, json.loads(e.read())
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end_by_eof(self.proc, timeout=5)
         self.proc.stdout.close()
         self.stderr.close()
 

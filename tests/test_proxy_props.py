@@ -37,6 +37,7 @@ from mitmproxy.test import tflow, tutils
 
 from fleettop.probes import wire
 from fleettop.probes.proxy_addon import FleettopProxy
+from tests.conftest import end_by_eof
 
 FAST = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -400,12 +401,7 @@ class RealProxy:
         self.wait("proxy.released", mark)
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end_by_eof(self.proc, timeout=10)
 
 
 @pytest.fixture(scope="module")
