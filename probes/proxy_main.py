@@ -5,9 +5,10 @@
 
 Protocol with the supervisor (`fleettop.supervisor.proxy_link.ProxyLink`):
 - stdout: one JSON object per line. `{"event": "proxy.ready", "port", "reverse": {agent: port},
-  "ca_cert", "confdir"}` once listening; then `proxy.stats` (per agent, every
-  `proxy.stats_interval`), `breaker.trip` (agent, kind token_loop|retry_loop|budget|rate,
-  policy, reason, evidence, at_char|at_request, text_tail, incident), `proxy.released`,
+  "ca_cert", "confdir", "event_loop", "merge_reads"}` once listening; then `proxy.stats` (per
+  agent, every `proxy.stats_interval`), `breaker.trip` (agent, kind
+  token_loop|retry_loop|budget|rate, policy, reason, evidence, at_char|at_request, text_tail,
+  incident), `proxy.released`,
   `proxy.dump`, `proxy.reply`; from the GPU addon `proxy.gpu` (gate and router state, when it
   changes), `gpu.waited`, `gpu.timeout`, `route.changed`, `route.failed`, `governor.shrunk`
   (each with agent and reason). Nothing else is written to stdout (mitmproxy logs go to stderr).
@@ -32,6 +33,7 @@ from typing import Any
 
 from fleettop.probes.proxy_addon import FleettopProxy, stdin_commands
 from fleettop.probes.proxy_gpu import FleettopGpu
+from fleettop.probes.proxy_relay import merge_reads, merge_reads_on, new_event_loop
 
 
 def _free_port(host: str) -> int:
@@ -135,7 +137,8 @@ async def _run(args: argparse.Namespace, out: _Out, cfg: dict[str, Any]) -> int:
         return 1
     _protect_ca(confdir)
     out({"event": "proxy.ready", "host": host, "port": port, "reverse": reverse_out,
-         "pid": os.getpid(), "confdir": str(confdir),
+         "pid": os.getpid(), "confdir": str(confdir), "merge_reads": merge_reads_on(),
+         "event_loop": type(loop).__module__.split(".")[0],  # uvloop | asyncio
          "ca_cert": str(confdir / "mitmproxy-ca-cert.pem")})
     await run
     return 0
@@ -161,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     confdir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(confdir, 0o700)
     cfg = json.loads(Path(args.config).read_text()) if args.config else {}
+    relay = cfg.get("proxy") or {}
+    merge_reads(bool(relay.get("merge_reads", True)))
+    kind = str(relay.get("event_loop") or "uvloop")
     try:
-        return asyncio.run(_run(args, out, cfg))
+        with asyncio.Runner(loop_factory=lambda: new_event_loop(kind)) as runner:
+            return runner.run(_run(args, out, cfg))
     except KeyboardInterrupt:
         return 0
 

@@ -52,6 +52,10 @@ class ProxySection(_Model):
     stats_interval: float = Field(1.0, gt=0)
     block_status: Literal[403, 429, 503] = 429
     error_event: bool = True
+    # How the proxy relays (probes/proxy_relay.py; both read at its start): what one upstream
+    # read brought as one piece, and libuv's event loop.
+    merge_reads: bool = True
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     restart_backoff: float = Field(1.0, gt=0)
 
     @field_validator("host")
