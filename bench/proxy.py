@@ -1,13 +1,17 @@
 """Benchmark the token proxy; prints one JSON object.
 
-- added latency per chunk, direct vs through the proxy vs through plain mitmproxy, alternating
-  rounds in one run (p50/p99): the upstream stamps each SSE event with CLOCK_MONOTONIC, the
-  client subtracts on receipt;
-- events/s flat out through plain mitmdump and through fleettop's proxy, and each proxy's CPU
-  time per event (steadier than events/s when other work shares the cores); plain mitmdump
-  streams every response (`stream_large_bodies=1`, so `stream = True` after the first read),
-  fleettop's addon through its `stream` callable;
-- proxy RSS, and peak RSS + CPU with 50 concurrent paced streams (fleettop and plain mitmproxy);
+Side by side (`PROXIES`): fleettop's proxy as shipped; plain mitmdump as shipped; plain
+mitmdump on uvloop and fleettop relaying chunk by chunk on asyncio's loop (what the relay
+changes in probes/proxy_relay.py do apart from the addon); a bare asyncio byte relay, the floor.
+- added latency per chunk, direct vs through each, alternating rounds in one run (p50/p99):
+  the upstream (a process of its own) stamps each SSE event with CLOCK_MONOTONIC, the client
+  subtracts on receipt;
+- events/s flat out through each, and each proxy's CPU time per event (steadier than events/s
+  when other work shares the cores; medians over rounds); plain mitmdump streams every
+  response (`stream_large_bodies=1`, so `stream = True` after the first read), fleettop's addon
+  through its `stream` callable. Flat out, one read brings many events;
+- proxy RSS, and peak RSS + CPU with 50 concurrent paced streams (one event per read: the
+  usual shape of token streams);
   trip latency (loop onset at the upstream → `breaker.trip` on the proxy's stdout)
   in ms and in chunks; detector chars-after-onset (median/p90) and ns/char on tests/data.
 """
@@ -97,22 +101,51 @@ async def stream(port: int, via: int | None, n: int, loop_at: int | None = None,
     return lat, count, time.perf_counter() - t0
 
 
-def start_proxy(tmp: Path, plain: bool = False) -> tuple[subprocess.Popen, int]:
-    if plain:
-        import socket
+def start_upstream(pace: float) -> tuple[subprocess.Popen, int]:
+    """The SSE upstream in a process of its own, as an LLM server is: the client then wakes
+    from its own wait for every event, direct or proxied (in one loop with the client, a
+    direct read came without a wake-up, and "added" counted the client's wake-up too)."""
+    proc = subprocess.Popen([sys.executable, __file__, "--upstream", str(pace)],
+                            stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "mitmdump"), "-q",
-                                 "--listen-host", "127.0.0.1", "-p", str(port), "--set",
-                                 "stream_large_bodies=1", "--set", f"confdir={tmp}/plain"],
+
+async def _serve_upstream(pace: float) -> None:
+    server, port = await sse_server(pace)
+    print(port, flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_proxy(tmp: Path, plain: bool = False, uvloop: bool = False,
+                relay: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """Plain mitmdump (as shipped, or on uvloop), or fleettop's proxy (`relay`: its
+    `proxy.merge_reads` / `proxy.event_loop`, default on / uvloop)."""
+    if plain:
+        port = _port()
+        args = ["-q", "--listen-host", "127.0.0.1", "-p", str(port), "--set",
+                "stream_large_bodies=1", "--set", f"confdir={tmp}/plain"]
+        head = "import uvloop; uvloop.install()\n" if uvloop else ""
+        code = (f"{head}import sys\nfrom mitmproxy.tools.main import mitmdump\n"
+                f"sys.argv = ['mitmdump', *{args!r}]\nmitmdump()")
+        proc = subprocess.Popen([sys.executable, "-c", code],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(2.5)
+        time.sleep(3)
         return proc, port
+    tmp = tmp / f"fleettop{len(list(tmp.glob('fleettop*')))}"
+    tmp.mkdir()
     (tmp / "tokens.json").write_text(json.dumps({"bench": TOKEN, "looper": TOKEN}))
-    (tmp / "cfg.json").write_text(json.dumps({"breaker": {"policy": {"token_loop": "warn",
-                                                                    "retry_loop": "warn"}}}))
+    (tmp / "cfg.json").write_text(json.dumps({
+        "proxy": relay or {},
+        "breaker": {"policy": {"token_loop": "warn", "retry_loop": "warn"}}}))
     # The bench's requests differ only in a masked number: a retry loop, rightly.
     proc = subprocess.Popen([sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir",
                              str(tmp), "--config", str(tmp / "cfg.json"), "--tokens",
@@ -124,6 +157,12 @@ def start_proxy(tmp: Path, plain: bool = False) -> tuple[subprocess.Popen, int]:
     threading.Thread(target=lambda: [proc.reports.put(json.loads(x)) for x in proc.stdout],
                      daemon=True).start()
     return proc, ready["port"]
+
+
+def start_bare(uvloop: bool) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench/bare_relay.py"),
+                             *(["uvloop"] if uvloop else [])], stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
 
 
 async def concurrent_load(up: int, via: int, pid: int, streams: int = 50,
@@ -190,62 +229,94 @@ def corpus_numbers() -> dict:
             "detector_ns_per_char": round(spent / chars * 1e9)}
 
 
+# Every proxy the bench runs side by side; rounds alternate between them.
+PROXIES = {
+    "fleettop": {},  # as shipped: one piece per read, uvloop
+    "plain_mitmproxy": {"plain": True},  # mitmdump as shipped
+    # What fleettop's relay changes do without the addon, and the addon without them:
+    "plain_mitmproxy_uvloop": {"plain": True, "uvloop": True},
+    "fleettop_chunkwise_asyncio": {"relay": {"merge_reads": False, "event_loop": "asyncio"}},
+    # The floor: a bare byte relay (no HTTP parsing) — what a hop through any asyncio proxy
+    # costs on this machine.
+    "bare_relay": {"bare": True},
+    "bare_relay_uvloop": {"bare": True, "uvloop": True},
+}
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
 async def main() -> None:
     out: dict = {}
-    server, up = await sse_server(pace=0.001)
-    flat, up_flat = await sse_server(pace=0.0)
+    server, up = start_upstream(pace=0.001)
+    flat, up_flat = start_upstream(pace=0.0)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        proc, port = start_proxy(tmp)
-        plain, plain_port = start_proxy(tmp, plain=True)
+        procs: dict[str, tuple[subprocess.Popen, int]] = {}
+        for name, spec in PROXIES.items():
+            procs[name] = (start_bare(spec.get("uvloop", False)) if spec.get("bare") else
+                           start_proxy(tmp, spec.get("plain", False), spec.get("uvloop", False),
+                                       spec.get("relay")))
+        proc, port = procs["fleettop"]
+        plain, plain_port = procs["plain_mitmproxy"]
         try:
-            await stream(up, port, 50)
-            await stream(up, plain_port, 50)
-            direct, proxied, plain_lat = [], [], []
-            for _ in range(3):  # alternate so drift hits all sides alike
-                direct += (await stream(up, None, 600))[0]
-                plain_lat += (await stream(up, plain_port, 600))[0]
-                proxied += (await stream(up, port, 600))[0]
+            for _, via in procs.values():
+                await stream(up, via, 50)
+            lat: dict[str, list[float]] = {"direct": [], **{k: [] for k in procs}}
+            for _ in range(4):  # alternate so drift hits all sides alike
+                lat["direct"] += (await stream(up, None, 600))[0]
+                for name, (_, via) in procs.items():
+                    lat[name] += (await stream(up, via, 600))[0]
+            d50, d99 = pct(lat["direct"], 0.5), pct(lat["direct"], 0.99)
             out["latency_us"] = {
-                "direct_p50": pct(direct, 0.5), "direct_p99": pct(direct, 0.99),
-                "proxy_p50": pct(proxied, 0.5), "proxy_p99": pct(proxied, 0.99),
-                "added_p50": round(pct(proxied, 0.5) - pct(direct, 0.5), 1),
-                "added_p99": round(pct(proxied, 0.99) - pct(direct, 0.99), 1),
+                "direct_p50": d50, "direct_p99": d99,
+                "proxy_p50": pct(lat["fleettop"], 0.5), "proxy_p99": pct(lat["fleettop"], 0.99),
+                "added_p50": round(pct(lat["fleettop"], 0.5) - d50, 1),
+                "added_p99": round(pct(lat["fleettop"], 0.99) - d99, 1),
                 # The same through plain mitmproxy: what mitmproxy itself adds here.
-                "plain_added_p50": round(pct(plain_lat, 0.5) - pct(direct, 0.5), 1),
-                "plain_added_p99": round(pct(plain_lat, 0.99) - pct(direct, 0.99), 1)}
-            rates = {"direct": [], "plain_mitmproxy": [], "fleettop": []}
+                "plain_added_p50": round(pct(lat["plain_mitmproxy"], 0.5) - d50, 1),
+                "plain_added_p99": round(pct(lat["plain_mitmproxy"], 0.99) - d99, 1),
+                "added_p50_each": {k: round(pct(v, 0.5) - d50, 1) for k, v in lat.items()
+                                   if k != "direct"}}
+            rates: dict[str, list[float]] = {"direct": [], **{k: [] for k in procs}}
             # CPU seconds the proxy process spent per event: unlike events/s, it hardly moves
             # when other work on the machine takes the cores away.
-            cpu = {"plain_mitmproxy": [0.0, 0], "fleettop": [0.0, 0]}  # seconds, events
-            pids = {"plain_mitmproxy": plain.pid, "fleettop": proc.pid}
-            for _ in range(5):
-                for name, via in (("direct", None), ("plain_mitmproxy", plain_port),
-                                  ("fleettop", port)):
-                    cpu0 = _cpu(pids.get(name))
+            cpu: dict[str, list[float]] = {k: [] for k in procs}
+            for _ in range(7):
+                for name, via in (("direct", None), *((k, v[1]) for k, v in procs.items())):
+                    pid = procs[name][0].pid if name in procs else None
+                    cpu0 = _cpu(pid)
                     try:
-                        _, count, secs = await asyncio.wait_for(stream(up_flat, via, 2000), 30)
+                        _, count, secs = await asyncio.wait_for(stream(up_flat, via, 3000), 30)
                     except TimeoutError:
                         print("timeout", name, file=sys.stderr)
                         continue
                     rates[name].append(count / secs)
-                    if name in cpu:
-                        cpu[name][0] += _cpu(pids[name]) - cpu0
-                        cpu[name][1] += count
-            out["events_per_s"] = {k: round(statistics.median(v)) for k, v in rates.items()}
-            out["events_per_s"]["fleettop_vs_plain"] = round(
-                out["events_per_s"]["fleettop"] / out["events_per_s"]["plain_mitmproxy"], 3)
-            per = {k: secs / max(1, n) * 1e6 for k, (secs, n) in cpu.items()}
-            out["proxy_cpu_us_per_event"] = {k: round(v, 1) for k, v in per.items()}
-            out["proxy_cpu_us_per_event"]["plain_vs_fleettop"] = round(
-                per["plain_mitmproxy"] / per["fleettop"], 3)
+                    if name in cpu and count:
+                        cpu[name].append((_cpu(pid) - cpu0) / count * 1e6)
+            eps = {k: round(statistics.median(v)) for k, v in rates.items() if v}
+            out["events_per_s"] = {**{k: eps.get(k) for k in ("direct", "plain_mitmproxy",
+                                                              "fleettop")},
+                                   "fleettop_vs_plain": ratio(eps["fleettop"],
+                                                              eps["plain_mitmproxy"]),
+                                   "each": eps,
+                                   "each_vs_plain": {k: ratio(v, eps["plain_mitmproxy"])
+                                                     for k, v in eps.items()}}
+            per = {k: statistics.median(v) for k, v in cpu.items() if v}
+            out["proxy_cpu_us_per_event"] = {
+                "plain_mitmproxy": round(per["plain_mitmproxy"], 1),
+                "fleettop": round(per["fleettop"], 1),
+                "plain_vs_fleettop": ratio(per["plain_mitmproxy"], per["fleettop"]),
+                "each": {k: round(v, 1) for k, v in per.items()}}
             out["proxy_rss_mib"] = round(psutil.Process(proc.pid).memory_info().rss / 2**20, 1)
-            # 50 concurrent streams, each paced at 10 ms (5k events/s in all), same upstream.
-            slow, up_slow = await sse_server(pace=0.01)
+            # 50 concurrent streams, each paced at 10 ms (5k events/s in all), same upstream:
+            # one event per read, the usual shape of token streams.
+            slow, up_slow = start_upstream(pace=0.01)
             out["concurrent_50"] = {
-                "fleettop": await concurrent_load(up_slow, port, proc.pid),
-                "plain_mitmproxy": await concurrent_load(up_slow, plain_port, plain.pid)}
-            slow.close()
+                name: await concurrent_load(up_slow, procs[name][1], procs[name][0].pid)
+                for name in ("fleettop", "plain_mitmproxy", "fleettop_chunkwise_asyncio")}
+            slow.terminate()
             # Trip latency: loop onset at event 40, paced 1 ms; `warn` keeps the stream going.
             trips_ms, trips_chunks = [], []
             for _ in range(5):
@@ -275,15 +346,20 @@ async def main() -> None:
                                                       "max": round(max(trips_ms), 1)}
             out["trip_after_onset_chunks"] = {"p50": pct(trips_chunks, 0.5)}
         finally:
-            proc.stdin.close()
-            proc.wait(timeout=10)
-            plain.terminate()
-            plain.wait(timeout=10)
-    server.close()
-    flat.close()
+            for p, _ in procs.values():
+                if p.stdin:
+                    p.stdin.close()
+                else:
+                    p.terminate()
+                p.wait(timeout=10)
+    server.terminate()
+    flat.terminate()
     out["corpus"] = corpus_numbers()
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    if sys.argv[1:2] == ["--upstream"]:
+        asyncio.run(_serve_upstream(float(sys.argv[2])))
+    else:
+        asyncio.run(main())
