@@ -147,7 +147,7 @@ def pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else float("nan")
 
 
-async def main(trips: int) -> dict:
+async def main(trips: int, loop: str = "uvloop") -> dict:
     from fleettop.supervisor.config import parse_fleet
     from fleettop.supervisor.fleet import Supervisor
     from fleettop.supervisor.proxy_link import ProxyLink
@@ -158,7 +158,8 @@ async def main(trips: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="fleettop-trip-"))
     os.environ.setdefault("FLEETTOP_STATE_DIR", str(tmp / "state"))
     os.environ.setdefault("FLEETTOP_RUNTIME_DIR", str(tmp / "run"))
-    fleet = {"agents": {"looper": {"cmd": [sys.executable, "-c", AGENT], "restart": "no",
+    fleet = {"proxy": {"event_loop": loop},
+             "agents": {"looper": {"cmd": [sys.executable, "-c", AGENT], "restart": "no",
                                    "env": {"BENCH_UPSTREAM": f"http://127.0.0.1:{port}"}}}}
     text = json.dumps(fleet)
     (tmp / "fleet.yaml").write_text(text)
@@ -238,12 +239,15 @@ async def main(trips: int) -> dict:
             "parts_p99_ms": {"chunk_to_trip": pct(detect_ms, 0.99),
                              "trip_to_link": pct(report_ms, 0.99),
                              "link_to_frozen": pct(freeze_ms, 0.99)},
-            "freezer": "cgroup" if rt.cgroup is not None else "sigstop"}
+            "freezer": "cgroup" if rt.cgroup is not None else "sigstop",
+            "proxy_event_loop": loop}
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--trips", type=int, default=50)
+    ap.add_argument("--proxy-loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="the proxy's event loop (proxy.event_loop)")
     args = ap.parse_args()
     threading.stack_size(1 << 20)
-    print(json.dumps(asyncio.run(main(args.trips))))
+    print(json.dumps(asyncio.run(main(args.trips, args.proxy_loop))))
