@@ -85,6 +85,7 @@ class ProxyLink:
         self.restarts = 0
         self._proc: asyncio.subprocess.Process | None = None
         self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self.relay = ""  # how the running proxy relays (proxy.ready)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self.texts: dict[str, str] = {}
@@ -162,6 +163,7 @@ class ProxyLink:
         return {"name": "proxy", "state": "running" if alive else "stopped",
                 "pid": proc.pid if proc is not None else None, "port": self.port,
                 "reverse": dict(self.reverse_ports), "restarts": self.restarts,
+                "relay": self.relay,
                 "blocked": sorted(a for a, s in self.stats.items() if s.get("blocked")),
                 **({"gpu": self.gpu_state} if self.gpu_state else {})}
 
@@ -212,8 +214,11 @@ class ProxyLink:
         self.port = int(ready["port"])
         self.reverse_ports = {k: int(v) for k, v in (ready.get("reverse") or {}).items()}
         self.ca_cert = Path(ready["ca_cert"])
+        relay = "one piece per read" if ready.get("merge_reads") else "chunk by chunk"
+        self.relay = f"{relay}, {ready.get('event_loop') or 'asyncio'}"
         self.bundle = write_ca_bundle(self.ca_cert, self.state_dir / "ca-bundle.pem")
-        self.sup.emit("proxy.started", reason=f"proxy on {self.proxy.host}:{self.port}",
+        self.sup.emit("proxy.started",
+                      reason=f"proxy on {self.proxy.host}:{self.port} ({self.relay})",
                       port=self.port, pid=ready.get("pid"), reverse=self.reverse_ports)
         return ready
 

@@ -50,7 +50,8 @@ async def _proxy(sup: Supervisor) -> None:
         {n: s.breaker for n, s in new.agents.items()}, proxy_gpu_config(new, sup.state_dir)))
     await link.start()
     sup.stop_hooks.append(link.stop)
-    sup.components["proxy"] = lambda: {**link.component(), "detail": f"127.0.0.1:{link.port}"}
+    sup.components["proxy"] = lambda: {
+        **link.component(), "detail": f"{link.proxy.host}:{link.port} ({link.relay})"}
 
 
 async def _telemetry(sup: Supervisor) -> None:

@@ -218,6 +218,8 @@ def test_reload_applies_the_changed_fleet_file_and_refuses_a_bad_one(tmp_path: P
     try:
         wait_until(lambda: paths.socket_path(fleet).exists() and all(
             a["state"] == "running" for a in status(fleet)["agents"]), what="fleet up")
+        row = next(c for c in status(fleet)["components"] if c["name"] == "proxy")
+        assert row["relay"] == "one piece per read, uvloop" and row["relay"] in row["detail"]
         before = {a["name"]: a["pid"] for a in status(fleet)["agents"]}
         write({"keep": {"cmd": ["sleep", "1000"]}, "edit": {"cmd": ["sleep", "2000"]},
                "new": {"cmd": ["sleep", "1000"], "depends_on": ["keep"]}},
