@@ -23,6 +23,7 @@ import gzip
 import json
 import queue
 import random
+import ssl
 import statistics
 import subprocess
 import sys
@@ -37,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "benchtoken0123456789"
 
 
-async def sse_server(pace: float) -> tuple[asyncio.AbstractServer, int]:
+async def sse_server(pace: float, tls: ssl.SSLContext | None = None
+                     ) -> tuple[asyncio.AbstractServer, int]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         length = int(next((h.split(b":")[1] for h in head.split(b"\r\n")
@@ -65,19 +67,64 @@ async def sse_server(pace: float) -> tuple[asyncio.AbstractServer, int]:
             pass
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
     return server, server.sockets[0].getsockname()[1]
 
 
+def make_cert(folder: Path) -> Path:
+    """A self-signed certificate for 127.0.0.1 (cert.pem, key.pem in `folder`): the HTTPS
+    upstream's, trusted by the proxies (`upstream_ca`) and the direct client."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    return folder / "cert.pem"
+
+
+def client_tls(cafile: Path | str) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(cafile))
+
+
 async def stream(port: int, via: int | None, n: int, loop_at: int | None = None,
-                 agent: str = "bench") -> tuple[list[float], int, float]:
+                 agent: str = "bench", tls: ssl.SSLContext | None = None
+                 ) -> tuple[list[float], int, float]:
+    """One streamed request, direct or through the proxy at `via`; with `tls`, HTTPS (through
+    a proxy: CONNECT, then TLS to the proxy's certificate for the upstream)."""
     body = json.dumps({"model": "m", "stream": True, "n": n, "loop_at": loop_at,
                        "messages": [{"role": "user", "content": f"go {random.random()}"}]})
     import base64
 
     auth = base64.b64encode(f"{agent}:{TOKEN}".encode()).decode()
     target = f"http://127.0.0.1:{port}/v1/chat/completions" if via else "/v1/chat/completions"
-    reader, writer = await asyncio.open_connection("127.0.0.1", via or port)
+    if tls is not None and via is None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls)
+    else:
+        reader, writer = await asyncio.open_connection("127.0.0.1", via or port)
+    if tls is not None and via is not None:
+        writer.write(f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+                     f"proxy-authorization: Basic {auth}\r\n\r\n".encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        await writer.start_tls(tls, server_hostname="127.0.0.1")
+        target = "/v1/chat/completions"
     writer.write((f"POST {target} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
                   f"proxy-authorization: Basic {auth}\r\ncontent-type: application/json\r\n"
                   f"content-length: {len(body)}\r\n\r\n{body}").encode())
@@ -101,17 +148,22 @@ async def stream(port: int, via: int | None, n: int, loop_at: int | None = None,
     return lat, count, time.perf_counter() - t0
 
 
-def start_upstream(pace: float) -> tuple[subprocess.Popen, int]:
+def start_upstream(pace: float, cert: Path | None = None) -> tuple[subprocess.Popen, int]:
     """The SSE upstream in a process of its own, as an LLM server is: the client then wakes
     from its own wait for every event, direct or proxied (in one loop with the client, a
     direct read came without a wake-up, and "added" counted the client's wake-up too)."""
-    proc = subprocess.Popen([sys.executable, __file__, "--upstream", str(pace)],
+    proc = subprocess.Popen([sys.executable, __file__, "--upstream", str(pace),
+                             *([str(cert.parent)] if cert else [])],
                             stdout=subprocess.PIPE, text=True)
     return proc, int(proc.stdout.readline())
 
 
-async def _serve_upstream(pace: float) -> None:
-    server, port = await sse_server(pace)
+async def _serve_upstream(pace: float, certdir: str | None) -> None:
+    tls = None
+    if certdir:  # HTTPS, with make_cert's certificate
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(Path(certdir) / "cert.pem", Path(certdir) / "key.pem")
+    server, port = await sse_server(pace, tls)
     print(port, flush=True)
     async with server:
         await server.serve_forever()
@@ -126,25 +178,31 @@ def _port() -> int:
 
 
 def start_proxy(tmp: Path, plain: bool = False, uvloop: bool = False,
-                relay: dict | None = None) -> tuple[subprocess.Popen, int]:
+                relay: dict | None = None, upstream_ca: Path | None = None
+                ) -> tuple[subprocess.Popen, int]:
     """Plain mitmdump (as shipped, or on uvloop), or fleettop's proxy (`relay`: its
-    `proxy.merge_reads` / `proxy.event_loop`, default on / uvloop)."""
+    `proxy.merge_reads` / `proxy.event_loop`, default on / uvloop); each trusts `upstream_ca`
+    for HTTPS upstreams. The process's `ca_cert` is its CA for clients."""
     if plain:
         port = _port()
+        confdir = tmp / f"plain{len(list(tmp.glob('plain*')))}"
         args = ["-q", "--listen-host", "127.0.0.1", "-p", str(port), "--set",
-                "stream_large_bodies=1", "--set", f"confdir={tmp}/plain"]
+                "stream_large_bodies=1", "--set", f"confdir={confdir}",
+                *(["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"] if upstream_ca
+                  else [])]
         head = "import uvloop; uvloop.install()\n" if uvloop else ""
         code = (f"{head}import sys\nfrom mitmproxy.tools.main import mitmdump\n"
                 f"sys.argv = ['mitmdump', *{args!r}]\nmitmdump()")
         proc = subprocess.Popen([sys.executable, "-c", code],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(3)
+        proc.ca_cert = confdir / "mitmproxy-ca-cert.pem"
         return proc, port
     tmp = tmp / f"fleettop{len(list(tmp.glob('fleettop*')))}"
     tmp.mkdir()
     (tmp / "tokens.json").write_text(json.dumps({"bench": TOKEN, "looper": TOKEN}))
     (tmp / "cfg.json").write_text(json.dumps({
-        "proxy": relay or {},
+        "proxy": {**(relay or {}), **({"upstream_ca": str(upstream_ca)} if upstream_ca else {})},
         "breaker": {"policy": {"token_loop": "warn", "retry_loop": "warn"}}}))
     # The bench's requests differ only in a masked number: a retry loop, rightly.
     proc = subprocess.Popen([sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir",
@@ -152,6 +210,7 @@ def start_proxy(tmp: Path, plain: bool = False, uvloop: bool = False,
                              str(tmp / "tokens.json")], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ready = json.loads(proc.stdout.readline())
+    proc.ca_cert = ready["ca_cert"]
     # Drain reports continuously: a full pipe would stall the proxy's event loop.
     proc.reports = queue.Queue()
     threading.Thread(target=lambda: [proc.reports.put(json.loads(x)) for x in proc.stdout],
@@ -229,6 +288,39 @@ def corpus_numbers() -> dict:
             "detector_ns_per_char": round(spent / chars * 1e9)}
 
 
+async def https_numbers(cert: Path, procs: dict[str, tuple[subprocess.Popen, int]]) -> dict:
+    """The same through TLS at both ends (an HTTPS upstream; the client CONNECTs and trusts
+    the proxy's CA): added latency p50 and events/s flat out, fleettop vs plain mitmproxy."""
+    paced, up = start_upstream(0.001, cert)
+    flat, up_flat = start_upstream(0.0, cert)
+    try:
+        direct = client_tls(cert)
+        tls = {k: client_tls(p.ca_cert) for k, (p, _) in procs.items()}
+        for name, (_, via) in procs.items():
+            await stream(up, via, 20, tls=tls[name])
+        lat: dict[str, list[float]] = {"direct": [], **{k: [] for k in procs}}
+        for _ in range(3):
+            lat["direct"] += (await stream(up, None, 600, tls=direct))[0]
+            for name, (_, via) in procs.items():
+                lat[name] += (await stream(up, via, 600, tls=tls[name]))[0]
+        rates: dict[str, list[float]] = {"direct": [], **{k: [] for k in procs}}
+        for _ in range(5):
+            for name, via in (("direct", None), *((k, v[1]) for k, v in procs.items())):
+                _, count, secs = await stream(up_flat, via, 3000,
+                                              tls=tls.get(name, direct))
+                rates[name].append(count / secs)
+    finally:
+        paced.terminate()
+        flat.terminate()
+    d50 = pct(lat["direct"], 0.5)
+    eps = {k: round(statistics.median(v)) for k, v in rates.items()}
+    return {"direct_p50_us": d50,
+            "added_p50_us": {k: round(pct(v, 0.5) - d50, 1) for k, v in lat.items()
+                             if k != "direct"},
+            "events_per_s": eps,
+            "fleettop_vs_plain": ratio(eps["fleettop"], eps["plain_mitmproxy"])}
+
+
 # Every proxy the bench runs side by side; rounds alternate between them.
 PROXIES = {
     "fleettop": {},  # as shipped: one piece per read, uvloop
@@ -253,11 +345,12 @@ async def main() -> None:
     flat, up_flat = start_upstream(pace=0.0)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        cert = make_cert(tmp)
         procs: dict[str, tuple[subprocess.Popen, int]] = {}
         for name, spec in PROXIES.items():
             procs[name] = (start_bare(spec.get("uvloop", False)) if spec.get("bare") else
                            start_proxy(tmp, spec.get("plain", False), spec.get("uvloop", False),
-                                       spec.get("relay")))
+                                       spec.get("relay"), upstream_ca=cert))
         proc, port = procs["fleettop"]
         plain, plain_port = procs["plain_mitmproxy"]
         try:
@@ -317,6 +410,8 @@ async def main() -> None:
                 name: await concurrent_load(up_slow, procs[name][1], procs[name][0].pid)
                 for name in ("fleettop", "plain_mitmproxy", "fleettop_chunkwise_asyncio")}
             slow.terminate()
+            out["https"] = await https_numbers(cert, {k: procs[k] for k in ("fleettop",
+                                                                          "plain_mitmproxy")})
             # Trip latency: loop onset at event 40, paced 1 ms; `warn` keeps the stream going.
             trips_ms, trips_chunks = [], []
             for _ in range(5):
@@ -360,6 +455,6 @@ async def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--upstream"]:
-        asyncio.run(_serve_upstream(float(sys.argv[2])))
+        asyncio.run(_serve_upstream(float(sys.argv[2]), (sys.argv[3:] or [None])[0]))
     else:
         asyncio.run(main())
