@@ -279,10 +279,35 @@ def check_terminal(_: argparse.Namespace) -> Check:
     return Check("terminal", "ok", f"TERM={term}")
 
 
+def check_proxy_relay(_: argparse.Namespace) -> Check:
+    """How the proxy will relay: one piece per read needs the pinned mitmproxy, and uvloop."""
+    from importlib import metadata
+
+    from fleettop.probes.proxy_relay import PINNED
+
+    try:
+        mitm = metadata.version("mitmproxy")
+    except metadata.PackageNotFoundError:
+        return Check("proxy_relay", "fail", "mitmproxy is not installed: no token proxy",
+                     f"pip install mitmproxy=={PINNED} (./run.sh installs it)")
+    try:
+        uv = metadata.version("uvloop")
+    except metadata.PackageNotFoundError:
+        uv = ""
+    if mitm != PINNED:
+        return Check("proxy_relay", "warn",
+                     f"mitmproxy {mitm} is not {PINNED}: the proxy relays chunk by chunk and "
+                     "its abort path is untested there", f"pip install mitmproxy=={PINNED}")
+    if not uv:
+        return Check("proxy_relay", "warn", "uvloop is not installed: the proxy runs on "
+                     "asyncio's event loop (slower per chunk)", "pip install uvloop")
+    return Check("proxy_relay", "ok", f"mitmproxy {mitm}, one piece per read, uvloop {uv}")
+
+
 CHECKS: list[Checker] = [
     check_root, check_tracefs, check_btf, check_kprobes, check_bcc, check_headers,
     check_lockdown, check_bpf_load, check_cgroup, check_psi, check_nvml, check_fleet,
-    check_ports, check_proxy_ca, check_terminal,
+    check_ports, check_proxy_ca, check_proxy_relay, check_terminal,
 ]
 
 

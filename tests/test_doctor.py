@@ -11,7 +11,7 @@ from pathlib import Path
 from fleettop.supervisor import doctor
 
 NAMES = {"root", "tracefs", "btf", "kprobes", "bcc", "headers", "lockdown", "bpf_load",
-         "cgroup", "psi", "nvml", "fleet", "ports", "proxy_ca", "terminal"}
+         "cgroup", "psi", "nvml", "fleet", "ports", "proxy_ca", "proxy_relay", "terminal"}
 
 
 def doctor_json(*argv: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
@@ -84,3 +84,26 @@ def test_proxy_ca_key_must_be_private(tmp_path: Path):
     rc, out = doctor_json("--no-trial", str(fleet), env=env)
     check = next(c for c in out["checks"] if c["name"] == "proxy_ca")
     assert rc == 1 and check["status"] == "fail" and "chmod 600" in check["fix"]
+
+
+def test_proxy_relay_says_what_is_missing(monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+    assert doctor.check_proxy_relay(None).status == "ok"  # this venv: pinned mitmproxy, uvloop
+
+    def without(missing: str, mitm: str = "11.0.2"):
+        def version(name: str) -> str:
+            if name == missing:
+                raise metadata.PackageNotFoundError(name)
+            return mitm if name == "mitmproxy" else real(name)
+        return version
+
+    monkeypatch.setattr(metadata, "version", without("uvloop"))
+    c = doctor.check_proxy_relay(None)
+    assert (c.status, c.fix) == ("warn", "pip install uvloop")
+    monkeypatch.setattr(metadata, "version", without("none", mitm="12.0.0"))
+    c = doctor.check_proxy_relay(None)
+    assert c.status == "warn" and "chunk by chunk" in c.detail and "11.0.2" in c.fix
+    monkeypatch.setattr(metadata, "version", without("mitmproxy"))
+    assert doctor.check_proxy_relay(None).status == "fail"
