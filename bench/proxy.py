@@ -13,7 +13,8 @@ changes in probes/proxy_relay.py do apart from the addon); a bare asyncio byte r
 - proxy RSS, and peak RSS + CPU with 50 concurrent paced streams (one event per read: the
   usual shape of token streams);
   trip latency (loop onset at the upstream → `breaker.trip` on the proxy's stdout)
-  in ms and in chunks; detector chars-after-onset (median/p90) and ns/char on tests/data.
+  in ms and in chunks; detector chars-after-onset (median/p90) and ns per char and per byte
+  on tests/data, fed in 2–24-char deltas (as replay does) and in the proxy's 128-char batches.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def corpus_numbers() -> dict:
     with gzip.open(ROOT / "tests/data/loop_corpus.jsonl.gz", "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh]
     rng = random.Random(1)
-    delays, fp, chars, spent = [], 0, 0, 0.0
+    delays, fp, chars, nbytes, spent = [], 0, 0, 0, 0.0
     loops = [r for r in rows if r["label"] == "loop"]
     for r in rows:
         if r["label"] == "ambiguous":
@@ -275,17 +276,29 @@ def corpus_numbers() -> dict:
             i += k
         spent += time.perf_counter() - t0
         chars += i
+        nbytes += len(text[:i].encode())
         if trip and r["label"] == "loop":
             delays.append(trip.at_char - r["loop_start"])
         elif trip:
             fp += 1
     delays.sort()
+    # The proxy feeds the detector 128 chars at a time (_DETECT_CHARS): its cost there, on the
+    # legit texts (fed whole: none trips).
+    legit = [r["text"] for r in rows if r["label"] == "legit"]
+    t0 = time.perf_counter()
+    for text in legit:
+        det = LoopDetector()
+        for j in range(0, len(text), 128):
+            det.feed(text[j : j + 128])
+    batched = (time.perf_counter() - t0) / sum(map(len, legit)) * 1e9
     return {"loops": len(loops), "caught": len(delays),
             "recall": round(len(delays) / len(loops), 4),
             "legit": sum(r["label"] == "legit" for r in rows), "false_trips": fp,
             "chars_after_onset_median": delays[len(delays) // 2],
             "chars_after_onset_p90": delays[int(0.9 * len(delays))],
-            "detector_ns_per_char": round(spent / chars * 1e9)}
+            "detector_ns_per_char": round(spent / chars * 1e9),
+            "detector_ns_per_byte": round(spent / nbytes * 1e9),
+            "detector_ns_per_char_128_char_feeds_legit": round(batched)}
 
 
 async def https_numbers(cert: Path, procs: dict[str, tuple[subprocess.Popen, int]]) -> dict:
