@@ -3,7 +3,10 @@
 Pinned to mitmproxy 11.0.2. Caveats, each tested in tests/test_proxy.py:
 - Responses are relayed chunk by chunk through a `flow.response.stream` callable (one call per
   upstream read, not aligned to SSE events). It returns the chunk untouched, `[]` to drop one,
-  never `b""` (that is the end-of-body marker: the client would see a clean, truncated body).
+  never `b""` (that is the end-of-body marker: the client would see a clean, truncated body),
+  or a generator: mitmproxy writes each piece it yields to the client before resuming it (its
+  layers pass commands up one at a time), so work after the first `yield` runs once the chunk
+  is on its way, still inside the callback.
 - `flow.kill()` does not stop a stream in flight (mitmproxy #4711). To abort we close the
   client connection through the `proxyserver` addon's connection handler — internal API — and
   mitmproxy then drops the upstream connection too.
@@ -287,16 +290,33 @@ class FleettopProxy:
         st.agent.active_streams += 1
         st.agent.loop_score = 0.0  # a new answer starts clean
         on_chunk = self._on_chunk
+        # Under Content-Length a chunk can complete the body: the client would take it whole
+        # and never read an error event after it. Those batches are checked before they go.
+        check_after = "content-length" not in flow.response.headers
 
         def relay(data: bytes) -> Any:
             # Most calls only add the chunk to the parse batch: that much is done here, without
             # the call into _on_chunk (same steps, same order as there).
-            if (data and st.raw_bytes + len(data) < _PARSE_BYTES and st.parser is not None
-                    and not st.aborted):
-                st.raw.append(data)
-                st.raw_bytes += len(data)
-                return data
+            if data and st.parser is not None and not st.aborted:
+                if st.raw_bytes + len(data) < _PARSE_BYTES:
+                    st.raw.append(data)
+                    st.raw_bytes += len(data)
+                    return data
+                if check_after:
+                    return sent_then_checked(data)
             return on_chunk(flow, st, data)
+
+        def sent_then_checked(data: bytes) -> Any:
+            # This chunk completes a parse batch. mitmproxy writes each piece we yield before it
+            # resumes us, so the chunk goes out first and the batch is parsed and checked right
+            # after, still inside this callback: a trip then sends the error event and cuts the
+            # stream behind it (upstream is dropped just as before), and no chunk waits for the
+            # detector. The body's end is mitmproxy's to send, after this callback: the client
+            # can't take the cut stream for a whole answer.
+            yield data
+            out = on_chunk(flow, st, data)
+            if out is not data:
+                yield from out
 
         flow.response.stream = relay
 
