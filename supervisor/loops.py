@@ -54,7 +54,7 @@ class LoopParams:
     a_long_period: int = 512
     a_long_copies: int = 2
     a_min_cover: int = 200
-    a_sep_cover: int = 1024
+    a_sep_cover: int = 512
     b_min_chars: int = 40
     b_min_features: int = 6
     b_max_distance: int = 6

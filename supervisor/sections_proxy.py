@@ -94,7 +94,7 @@ class GenerationSection(_Model):
     max_period: int = Field(4096, ge=16)
     copies: int = Field(3, ge=2)
     min_cover: int = Field(200, ge=16)
-    separator_cover: int = Field(1024, ge=16)
+    separator_cover: int = Field(512, ge=16)
     long_period: int = Field(512, ge=16)
     long_copies: int = Field(2, ge=2)
     unit_min_chars: int = Field(40, ge=1)

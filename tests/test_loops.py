@@ -101,7 +101,9 @@ def test_separator_rules_do_not_trip():
     text = "".join(f"part {i}\n" + "=" * 300 + f"\nsection {i}\n" + "-" * 200 + "\n"
                    for i in range(3))
     assert stream(text) is None
+    assert stream("intro\n" + "=" * 480 + "\nthe text after a long rule goes on here.\n") is None
     assert stream("x " + "=" * 3000) is not None  # a runaway separator still trips
+    assert stream("Done. " + "** " * 200) is not None  # a degenerate run of one mark, 600 chars
 
 
 def test_thresholds_are_configurable():
