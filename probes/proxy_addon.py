@@ -293,17 +293,30 @@ class FleettopProxy:
         # Under Content-Length a chunk can complete the body: the client would take it whole
         # and never read an error event after it. Those batches are checked before they go.
         check_after = "content-length" not in flow.response.headers
+        direct = _direct_writer(flow) if self.proxy.direct_writes and check_after else None
+        chunked = "chunked" in flow.response.headers.get("transfer-encoding", "").lower()
 
         def relay(data: bytes) -> Any:
-            # Most calls only add the chunk to the parse batch: that much is done here, without
-            # the call into _on_chunk (same steps, same order as there).
-            if data and st.parser is not None and not st.aborted:
+            if not data or st.parser is None or st.aborted:
+                return on_chunk(flow, st, data)  # the end, a parser gone, or a cut stream
+            if direct is not None and not direct.is_closing():
+                # Straight to the client's socket (what mitmproxy's HTTP/1 layer would write,
+                # framing and all), then the bookkeeping: nothing waits for it.
+                direct.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
                 if st.raw_bytes + len(data) < _PARSE_BYTES:
                     st.raw.append(data)
                     st.raw_bytes += len(data)
-                    return data
-                if check_after:
-                    return sent_then_checked(data)
+                    return []
+                out = on_chunk(flow, st, data)
+                return [] if out is data else out
+            # Most calls only add the chunk to the parse batch: that much is done here, without
+            # the call into _on_chunk (same steps, same order as there).
+            if st.raw_bytes + len(data) < _PARSE_BYTES:
+                st.raw.append(data)
+                st.raw_bytes += len(data)
+                return data
+            if check_after:
+                return sent_then_checked(data)
             return on_chunk(flow, st, data)
 
         def sent_then_checked(data: bytes) -> Any:
@@ -619,6 +632,21 @@ def _auth_required() -> http.Response:
     return http.Response.make(
         407, b'{"error": "fleettop proxy: credentials required (http://AGENT:TOKEN@host:port)"}',
         {"Proxy-Authenticate": 'Basic realm="fleettop"', "content-type": "application/json"})
+
+
+def _direct_writer(flow: http.HTTPFlow) -> asyncio.StreamWriter | None:
+    """The client connection's writer, when a chunk may be written to it as is: plain TCP
+    (no TLS to encrypt it: CONNECT clients go through mitmproxy's TLS layer) and HTTP/1.1 (no
+    HTTP/2 framing). mitmproxy writes every command of an event as its layers yield it, so
+    whatever it sent this client before our callback (the response head) is on the wire
+    already; what it sends after (the end of the body) follows ours."""
+    if flow.client_conn.tls or flow.request.http_version != "HTTP/1.1":
+        return None
+    server = ctx.master.addons.get("proxyserver")
+    handler = server.connections.get(flow.client_conn.id) if server else None
+    io = handler.transports.get(flow.client_conn) if handler is not None else None
+    writer = getattr(io, "writer", None)
+    return writer if type(writer) is asyncio.StreamWriter else None
 
 
 _SIOCOUTQNSD = 0x894B  # Linux: bytes in a socket's send queue not sent yet

@@ -55,6 +55,7 @@ class ProxySection(_Model):
     # How the proxy relays (probes/proxy_relay.py; both read at its start): what one upstream
     # read brought as one piece, and libuv's event loop.
     merge_reads: bool = True
+    direct_writes: bool = True  # parsed streams to plain-HTTP/1.1 clients: chunks straight out
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     restart_backoff: float = Field(1.0, gt=0)
 

@@ -196,3 +196,80 @@ def test_event_loop_falls_back_to_asyncio_without_uvloop(monkeypatch, caplog):
         loop = proxy_relay.new_event_loop("uvloop")
     assert isinstance(loop, asyncio.BaseEventLoop) and "uvloop is not installed" in caplog.text
     loop.close()
+
+
+@pytest.fixture
+def client_socket(monkeypatch):
+    """A plain-TCP HTTP/1.1 client connection as mitmproxy's handler holds it: a real
+    StreamWriter over a socket pair; yields (make_flow, peer socket)."""
+    from types import SimpleNamespace
+
+    from mitmproxy import ctx
+    from mitmproxy.test import tflow, tutils
+
+    mine, peer = socket.socketpair()
+    state: dict = {}
+
+    def make_flow(tls: bool = False, sized: bool = False):
+        body = json.dumps({"model": "m", "stream": True,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = tutils.treq(method=b"POST", host="127.0.0.1", port=9,
+                          path=b"/v1/chat/completions", content=body,
+                          headers=((b"content-type", b"application/json"),
+                                   (b"content-length", str(len(body)).encode())))
+        flow = tflow.tflow(req=req)
+        flow.client_conn.tls = tls
+        flow.metadata["fleettop_agent"] = "relay"
+        head = [(b"content-type", b"text/event-stream")]
+        head.append((b"content-length", b"100000") if sized
+                    else (b"transfer-encoding", b"chunked"))
+        handler = SimpleNamespace(transports={flow.client_conn: SimpleNamespace(
+            writer=state["writer"])})
+        state["connections"][flow.client_conn.id] = handler
+        return flow, tutils.tresp(headers=tuple(head), content=b"")
+
+    async def setup():
+        _, state["writer"] = await asyncio.open_connection(sock=mine)
+        state["connections"] = {}
+        server = SimpleNamespace(connections=state["connections"])
+        monkeypatch.setattr(ctx, "master", SimpleNamespace(addons=SimpleNamespace(
+            get=lambda name: server if name == "proxyserver" else None)), raising=False)
+
+    yield make_flow, peer, setup
+    peer.close()
+
+
+async def test_direct_writes_send_a_plain_http1_clients_chunks_themselves(client_socket):
+    from fleettop.probes.proxy_addon import FleettopProxy
+
+    make_flow, peer, setup = client_socket
+    await setup()
+    peer.settimeout(5)
+    addon = FleettopProxy()
+    for tls, sized, direct in ((False, False, True), (True, False, False),
+                               (False, True, False)):
+        flow, resp = make_flow(tls=tls, sized=sized)
+        addon.request(flow)
+        flow.response = resp
+        addon.responseheaders(flow)
+        event = _event(1)
+        big = b"".join(_event(i) for i in range(10))  # completes a 512-byte parse batch
+        outs = [flow.response.stream(event), flow.response.stream(big)]
+        outs = [o if isinstance(o, (bytes, list)) else b"".join(o) for o in outs]
+        if direct:  # written by the callback, framed as mitmproxy's HTTP/1 layer would
+            assert outs == [[], []]
+            await asyncio.sleep(0)
+            want = _chunked([event, big])
+            got = b""
+            while len(got) < len(want):
+                got += peer.recv(65536)
+            assert got == want
+        else:  # TLS to encrypt, or Content-Length: mitmproxy's layers send them
+            assert outs == [event, big]
+    # Switched off: mitmproxy's layers send every chunk.
+    addon.proxy = addon.proxy.model_copy(update={"direct_writes": False})
+    flow, resp = make_flow()
+    addon.request(flow)
+    flow.response = resp
+    addon.responseheaders(flow)
+    assert flow.response.stream(_event(2)) == _event(2)
