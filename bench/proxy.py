@@ -1,8 +1,9 @@
 """Benchmark the token proxy; prints one JSON object.
 
 Side by side (`PROXIES`): fleettop's proxy as shipped; plain mitmdump as shipped; plain
-mitmdump on uvloop and fleettop relaying chunk by chunk on asyncio's loop (what the relay
-changes in probes/proxy_relay.py do apart from the addon); a bare asyncio byte relay, the floor.
+mitmdump on uvloop and fleettop on mitmproxy's own relay (chunk by chunk, asyncio's loop, no
+direct writes: what the relay changes do apart from the addon); a bare asyncio byte relay, the
+floor.
 - added latency per chunk, direct vs through each, alternating rounds in one run (p50/p99):
   the upstream (a process of its own) stamps each SSE event with CLOCK_MONOTONIC, the client
   subtracts on receipt;
@@ -336,11 +337,12 @@ async def https_numbers(cert: Path, procs: dict[str, tuple[subprocess.Popen, int
 
 # Every proxy the bench runs side by side; rounds alternate between them.
 PROXIES = {
-    "fleettop": {},  # as shipped: one piece per read, uvloop
+    "fleettop": {},  # as shipped: one piece per read, uvloop, direct writes
     "plain_mitmproxy": {"plain": True},  # mitmdump as shipped
     # What fleettop's relay changes do without the addon, and the addon without them:
     "plain_mitmproxy_uvloop": {"plain": True, "uvloop": True},
-    "fleettop_chunkwise_asyncio": {"relay": {"merge_reads": False, "event_loop": "asyncio"}},
+    "fleettop_chunkwise_asyncio": {"relay": {"merge_reads": False, "event_loop": "asyncio",
+                                             "direct_writes": False}},
     # The floor: a bare byte relay (no HTTP parsing) — what a hop through any asyncio proxy
     # costs on this machine.
     "bare_relay": {"bare": True},
