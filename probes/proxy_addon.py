@@ -6,7 +6,9 @@ Pinned to mitmproxy 11.0.2. Caveats, each tested in tests/test_proxy.py:
   never `b""` (that is the end-of-body marker: the client would see a clean, truncated body),
   or a generator: mitmproxy writes each piece it yields to the client before resuming it (its
   layers pass commands up one at a time), so work after the first `yield` runs once the chunk
-  is on its way, still inside the callback.
+  is on its way, still inside the callback. To a plain-TCP HTTP/1.1 client the callback writes
+  the chunk to the client's socket itself (`_direct_writer`, framed as mitmproxy would) and
+  returns `[]`: half of mitmproxy's per-chunk path comes after the callback.
 - `flow.kill()` does not stop a stream in flight (mitmproxy #4711). To abort we close the
   client connection through the `proxyserver` addon's connection handler — internal API — and
   mitmproxy then drops the upstream connection too.
