@@ -301,22 +301,21 @@ class FleettopProxy:
         def relay(data: bytes) -> Any:
             if not data or st.parser is None or st.aborted:
                 return on_chunk(flow, st, data)  # the end, a parser gone, or a cut stream
+            sent: Any = data  # what mitmproxy is to send
             if direct is not None and not direct.is_closing():
                 # Straight to the client's socket (what mitmproxy's HTTP/1 layer would write,
-                # framing and all), then the bookkeeping: nothing waits for it.
+                # framing and all); the bookkeeping comes after, nothing waits for it.
                 direct.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
-                if st.raw_bytes + len(data) < _PARSE_BYTES:
-                    st.raw.append(data)
-                    st.raw_bytes += len(data)
-                    return []
-                out = on_chunk(flow, st, data)
-                return [] if out is data else out
+                sent = []
             # Most calls only add the chunk to the parse batch: that much is done here, without
             # the call into _on_chunk (same steps, same order as there).
             if st.raw_bytes + len(data) < _PARSE_BYTES:
                 st.raw.append(data)
                 st.raw_bytes += len(data)
-                return data
+                return sent
+            if sent is not data:
+                out = on_chunk(flow, st, data)
+                return sent if out is data else out
             if check_after:
                 return sent_then_checked(data)
             return on_chunk(flow, st, data)

@@ -8,10 +8,10 @@ Protocol with the supervisor (`fleettop.supervisor.proxy_link.ProxyLink`):
   "ca_cert", "confdir", "event_loop", "merge_reads"}` once listening; then `proxy.stats` (per
   agent, every `proxy.stats_interval`), `breaker.trip` (agent, kind
   token_loop|retry_loop|budget|rate, policy, reason, evidence, at_char|at_request, text_tail,
-  incident), `proxy.released`,
-  `proxy.dump`, `proxy.reply`; from the GPU addon `proxy.gpu` (gate and router state, when it
-  changes), `gpu.waited`, `gpu.timeout`, `route.changed`, `route.failed`, `governor.shrunk`
-  (each with agent and reason). Nothing else is written to stdout (mitmproxy logs go to stderr).
+  incident), `proxy.released`, `proxy.dump`, `proxy.reply`; from the GPU addon `proxy.gpu`
+  (gate and router state, when it changes), `gpu.waited`, `gpu.timeout`, `route.changed`,
+  `route.failed`, `governor.shrunk` (each with agent and reason). Nothing else is written to
+  stdout (mitmproxy logs go to stderr).
 - stdin: one JSON command per line: `{"cmd": "release", "agent": A}`, `{"cmd": "dump",
   "agent": A}`, `{"cmd": "stats"}`, `{"cmd": "reload"}` (re-read --config). EOF on stdin
   (the supervisor went away) stops the proxy.
