@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,18 @@ def write_fleet(tmp: Path, text: str, name: str = "fleet.yaml") -> Path:
     path = tmp / name
     path.write_text(text)
     return path
+
+
+def spawn_proxy(state: Path, tokens: dict, cfg: dict, stderr=subprocess.PIPE,
+                env: dict | None = None) -> subprocess.Popen:
+    """The real proxy process (proxy_main) in `state`, with its token and config files
+    written there; JSON reports on its stdout, commands on its stdin (text mode)."""
+    (state / "tokens.json").write_text(json.dumps(tokens))
+    (state / "cfg.json").write_text(json.dumps(cfg))
+    return subprocess.Popen(
+        [sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir", str(state),
+         "--config", str(state / "cfg.json"), "--tokens", str(state / "tokens.json")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
 
 
 def end_by_eof(proc: subprocess.Popen, timeout: float = 10) -> None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import spawn_proxy
+
 SECRET = "sk-ant-TESTSECRET0123456789abcdefXYZ"
 TOKENS = {a: f"tok-{a}-0123456789" for a in
           ("plain", "looper", "legit", "retrier", "budgety", "secret", "gz", "odd")}
@@ -113,16 +115,11 @@ def upstream():
 class Proxy:
     def __init__(self, tmp: Path) -> None:
         self.state = tmp
-        (tmp / "tokens.json").write_text(json.dumps(TOKENS))
         cfg = {"proxy": {"stats_interval": 0.2, "prices": {"mock-*": {"input": 1.0,
                                                                       "output": 2.0}}},
                "breaker": {"budget": {"window": "1h"}},
                "agents": {"budgety": {"budget": {"tokens": 40}}}}
-        (tmp / "cfg.json").write_text(json.dumps(cfg))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir", str(tmp),
-             "--config", str(tmp / "cfg.json"), "--tokens", str(tmp / "tokens.json")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = spawn_proxy(tmp, TOKENS, cfg)
         self.events: queue.Queue[dict] = queue.Queue()
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fleettop.supervisor.gpulock import GpuLock
-from tests.conftest import end_by_eof
+from tests.conftest import end_by_eof, spawn_proxy
 
 TOKENS = {"alice": "a" * 32, "bob": "b" * 32, "carol": "c" * 32, "excl": "e" * 32}
 
@@ -53,14 +53,9 @@ class Proxy:
     """proxy_main with a `gpu` config; reports collected from its stdout."""
 
     def __init__(self, tmp: Path, gpu: dict) -> None:
-        (tmp / "tokens.json").write_text(json.dumps(TOKENS))
         cfg = {"proxy": {"stats_interval": 0.2}, "gpu": {"stats_interval": 0.05, **gpu}}
-        (tmp / "cfg.json").write_text(json.dumps(cfg))
         self.stderr = open(tmp / "proxy.stderr", "w")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir", str(tmp),
-             "--config", str(tmp / "cfg.json"), "--tokens", str(tmp / "tokens.json")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.proc = spawn_proxy(tmp, TOKENS, cfg, stderr=self.stderr)
         self.events: queue.Queue[dict] = queue.Queue()
         self.seen: list[dict] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -17,8 +17,6 @@ import gzip
 import http.client
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -37,7 +35,7 @@ from mitmproxy.test import tflow, tutils
 
 from fleettop.probes import wire
 from fleettop.probes.proxy_addon import FleettopProxy
-from tests.conftest import end_by_eof
+from tests.conftest import end_by_eof, spawn_proxy
 
 FAST = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -349,16 +347,10 @@ class Upstream(BaseHTTPRequestHandler):
 class RealProxy:
     def __init__(self, state) -> None:
         self.token = os.urandom(8).hex()
-        (state / "tokens.json").write_text(json.dumps({"prop": self.token}))
         # One agent sends every example: no retry-loop trips across examples.
         cfg = {"proxy": {"stats_interval": 30}, "agents": {"prop": {"retry": {"repeats": 1000}}}}
-        (state / "cfg.json").write_text(json.dumps(cfg))
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir", str(state),
-             "--config", str(state / "cfg.json"), "--tokens", str(state / "tokens.json")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env)
+        self.proc = spawn_proxy(state, {"prop": self.token}, cfg, env=env)
         self.events: list[dict] = []
         self.stderr: list[str] = []
         self._ready = threading.Event()

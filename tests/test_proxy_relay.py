@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fleettop.probes import proxy_relay
+from tests.conftest import spawn_proxy
 
 TOKEN = "tok-relay-0123456789"
 N = 300  # SSE events the upstream sends in one write
@@ -84,12 +85,7 @@ def upstream():
 
 def _start(tmp: Path, relay: dict) -> tuple[subprocess.Popen, dict]:
     tmp.mkdir()
-    (tmp / "tokens.json").write_text(json.dumps({"relay": TOKEN}))
-    (tmp / "cfg.json").write_text(json.dumps({"proxy": relay}))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir", str(tmp),
-         "--config", str(tmp / "cfg.json"), "--tokens", str(tmp / "tokens.json")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = spawn_proxy(tmp, {"relay": TOKEN}, {"proxy": relay}, stderr=subprocess.DEVNULL)
     ready = json.loads(proc.stdout.readline())
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     return proc, ready

@@ -7,7 +7,6 @@ import http.client
 import json
 import queue
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -20,6 +19,7 @@ import pytest
 
 from fleettop.supervisor import cli
 from fleettop.supervisor.replay import BadInput, ReplayParams, replay_path, replay_stream, sniff
+from tests.conftest import spawn_proxy
 
 DATA = Path(__file__).parent / "data"
 MiB = 1 << 20
@@ -313,12 +313,7 @@ def real_incidents(tmp_path_factory) -> dict[str, dict]:
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     upstream = f"http://127.0.0.1:{server.server_address[1]}"
-    (tmp / "tokens.json").write_text(json.dumps(TOKENS))
-    (tmp / "cfg.json").write_text(json.dumps({"proxy": {"stats_interval": 5}}))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir", str(tmp),
-         "--config", str(tmp / "cfg.json"), "--tokens", str(tmp / "tokens.json")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = spawn_proxy(tmp, TOKENS, {"proxy": {"stats_interval": 5}}, stderr=subprocess.DEVNULL)
     events: queue.Queue[dict] = queue.Queue()
     threading.Thread(target=lambda: [events.put(json.loads(x)) for x in proc.stdout],
                      daemon=True).start()
