@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from fleettop.supervisor.gpulock import GpuLock, status
+from fleettop.supervisor.gpu.lock import GpuLock, status
 
 CHILD = """
 import sys, time
-from fleettop.supervisor.gpulock import gpu_lock
+from fleettop.supervisor.gpu.lock import gpu_lock
 folder, mode = sys.argv[1], sys.argv[2]
 with gpu_lock(folder, name="bench", timeout=120) as lock:
     t = time.time()

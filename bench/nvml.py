@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 
-from fleettop.probes.gpu import NvmlGpu
+from fleettop.probes.sensors.nvml import NvmlGpu
 
 
 def main() -> None:

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from fleettop.probes import ebpf
-from fleettop.supervisor.leaks import LeakDetector
+from fleettop.probes.sensors import ebpf
+from fleettop.supervisor.detect.leaks import LeakDetector
 
 MiB = 1 << 20
 CHILD = """
@@ -127,7 +127,7 @@ def loader(runs: int = 3) -> dict[str, Any]:
     loads, rss = [], []
     for _ in range(runs):
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "fleettop.probes.ebpf"],
+        proc = subprocess.run([sys.executable, "-m", "fleettop.probes.sensors.ebpf"],
                               stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
         wall = time.monotonic() - t0
         msg = json.loads(proc.stdout.splitlines()[0])

@@ -207,7 +207,7 @@ def start_proxy(tmp: Path, plain: bool = False, uvloop: bool = False,
         "proxy": {**(relay or {}), **({"upstream_ca": str(upstream_ca)} if upstream_ca else {})},
         "breaker": {"policy": {"token_loop": "warn", "retry_loop": "warn"}}}))
     # The bench's requests differ only in a masked number: a retry loop, rightly.
-    proc = subprocess.Popen([sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "fleettop.probes.proxy.main", "--state-dir",
                              str(tmp), "--config", str(tmp / "cfg.json"), "--tokens",
                              str(tmp / "tokens.json")], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -259,7 +259,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def corpus_numbers() -> dict:
     sys.path.insert(0, str(ROOT))
-    from fleettop.supervisor.loops import LoopDetector
+    from fleettop.supervisor.detect.token_loop import LoopDetector
 
     with gzip.open(ROOT / "tests/data/loop_corpus.jsonl.gz", "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh]

@@ -45,7 +45,7 @@ def start_proxy(tmp: Path, mock: str) -> tuple[subprocess.Popen[str], int]:
                    "activity": str(tmp / "activity.json"),
                    "agents": {"gated": "shared", "other": "shared", "free": "none"}}}
     (tmp / "cfg.json").write_text(json.dumps(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "fleettop.probes.proxy.main", "--state-dir",
                              str(tmp), "--config", str(tmp / "cfg.json"), "--tokens",
                              str(tmp / "tokens.json")], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

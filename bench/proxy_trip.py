@@ -148,9 +148,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def main(trips: int, loop: str = "uvloop") -> dict:
-    from fleettop.supervisor.config import parse_fleet
-    from fleettop.supervisor.fleet import Supervisor
-    from fleettop.supervisor.proxy_link import ProxyLink
+    from fleettop.supervisor.capabilities.proxy import ProxyLink
+    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.core.supervisor import Supervisor
 
     up = Upstream(pace=0.002)
     server = await asyncio.start_server(up.handle, "127.0.0.1", 0)

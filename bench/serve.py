@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fleettop.supervisor.serve import MetricsServer, render_metrics  # noqa: E402
+from fleettop.supervisor.web.server import MetricsServer, render_metrics  # noqa: E402
 from tests.fake_serve_fleet import FakeFleetClient  # noqa: E402
 
 VIEWERS = """

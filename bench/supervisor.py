@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-FLEETTOP = [sys.executable, "-m", "fleettop.supervisor.cli"]
+FLEETTOP = [sys.executable, "-m", "fleettop.supervisor.cli.main"]
 
 
 def proc_cpu_rss(pid: int) -> tuple[float, int]:
@@ -91,7 +91,7 @@ def bench_fleettop(n: int, tmp: Path, idle: float, freezes: int) -> dict:
     out: dict = {"agents": n, "start_s": round(started, 3)}
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     os.environ.update(FLEETTOP_RUNTIME_DIR=str(tmp / "run"))
-    from fleettop.supervisor import paths
+    from fleettop.supervisor.base import paths
 
     sock = paths.socket_path(fleet)
     wait(sock.exists)

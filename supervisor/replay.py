@@ -8,8 +8,8 @@ deltas → an NDJSON stream (Ollama); JSON lines carrying `messages` or `prompt`
 (one agent's successive requests); a `t_seconds,bytes` header → a memory trace; a folder → an
 incident written by the proxy; anything else → plain text. `--format` forces one.
 
-Streams are decoded by the proxy's own parser (`fleettop.probes.wire.ResponseParser`) and their
-text is fed to `LoopDetector` in deltas of at most 32 characters; requests go through
+Streams are decoded by the proxy's own parser (`fleettop.probes.proxy.wire.ResponseParser`)
+and their text is fed to `LoopDetector` in deltas of at most 32 characters; requests go through
 `BudgetTracker.on_request` then `RetryDetector.feed`, in the addon's order. Caveats: recordings
 carry no per-chunk clock, so each input is one instant for budgets (an incident's requests keep
 their recorded `ts`); tokens come from the usage fields when recorded, else the addon's own
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # numpy, brotli and zstandard load on replay, not with every CLI command
-    from fleettop.probes import wire
-    from fleettop.supervisor.budget import BudgetParams, BudgetTracker, Price
-    from fleettop.supervisor.loops import LoopParams, Trip
+    from fleettop.probes.proxy import wire
+    from fleettop.supervisor.detect.budget import BudgetParams, BudgetTracker, Price
+    from fleettop.supervisor.detect.token_loop import LoopParams, Trip
 
 FORMATS = ("sse", "ndjson", "text", "requests", "incident", "memory")
 DELTA_CHARS = 32
@@ -59,8 +59,8 @@ class ReplayParams:
     memory_limit: float | None = None
 
     def __post_init__(self) -> None:
-        from fleettop.supervisor.budget import BudgetParams
-        from fleettop.supervisor.loops import LoopParams
+        from fleettop.supervisor.detect.budget import BudgetParams
+        from fleettop.supervisor.detect.token_loop import LoopParams
 
         if self.loop is None:
             object.__setattr__(self, "loop", LoopParams())
@@ -153,7 +153,7 @@ class _StreamReplay:
 
     def __init__(self, params: ReplayParams, budget: BudgetTracker, now: float = 0.0,
                  est_in: int = 0) -> None:
-        from fleettop.supervisor.loops import LoopDetector
+        from fleettop.supervisor.detect.token_loop import LoopDetector
 
         self.p = params
         self.detector = LoopDetector(params.loop)
@@ -182,8 +182,8 @@ class _StreamReplay:
         return self.trip
 
     def account(self, info: wire.Extract | None) -> None:
-        from fleettop.probes import wire
-        from fleettop.supervisor.budget import cost_of
+        from fleettop.probes.proxy import wire
+        from fleettop.supervisor.detect.budget import cost_of
 
         if info is not None and info.model:
             self.model = info.model
@@ -215,8 +215,8 @@ def _verdict(name: str, fmt: str, trip: Trip | None, **extra: Any) -> dict[str, 
 
 def replay_stream(data: bytes, fmt: str, params: ReplayParams, name: str = "") -> dict[str, Any]:
     """An SSE or NDJSON response body (or plain text) through the parser and LoopDetector."""
-    from fleettop.probes import wire
-    from fleettop.supervisor.budget import BudgetTracker
+    from fleettop.probes.proxy import wire
+    from fleettop.supervisor.detect.budget import BudgetTracker
 
     budget = BudgetTracker(params.budget)
     trip = budget.on_request(0.0)
@@ -262,9 +262,9 @@ def replay_requests(records: Iterable[tuple[float | None, dict[str, Any] | None]
                     params: ReplayParams, budget: BudgetTracker | None = None
                     ) -> tuple[Trip | None, int]:
     """Successive requests of one agent, in the addon's order: budget, then retry."""
-    from fleettop.probes import wire
-    from fleettop.supervisor.budget import BudgetTracker, cost_of
-    from fleettop.supervisor.loops import RetryDetector
+    from fleettop.probes.proxy import wire
+    from fleettop.supervisor.detect.budget import BudgetTracker, cost_of
+    from fleettop.supervisor.detect.token_loop import RetryDetector
 
     budget = budget or BudgetTracker(params.budget)
     retry = RetryDetector(params.loop)
@@ -298,7 +298,7 @@ def replay_request_log(data: bytes, params: ReplayParams, name: str = "") -> dic
 
 def replay_incident(folder: Path, params: ReplayParams, name: str = "") -> dict[str, Any]:
     """An incident folder: its requests, then its response text, against the recorded trip."""
-    from fleettop.supervisor.budget import BudgetTracker
+    from fleettop.supervisor.detect.budget import BudgetTracker
 
     files = {p.name for p in folder.iterdir()}
     if not files & {"event.json", "response.txt", "requests.jsonl"}:
@@ -365,7 +365,7 @@ def replay_path(path: str | Path, fmt: str | None = None,
     if data is None:
         raise BadInput(f"is a folder (only an incident can be; --format {fmt} given)")
     if fmt == "memory":
-        from fleettop.supervisor.leaks import replay_trace
+        from fleettop.supervisor.detect.leaks import replay_trace
 
         result = dict(replay_trace(_memory_rows(data), limit=params.memory_limit, name=name))
         result["format"] = "memory"
@@ -437,7 +437,7 @@ def _params_for(args: argparse.Namespace, fleet: Any, incident: Path | None,
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleettop.supervisor.units import parse_size
+    from fleettop.supervisor.config.units import parse_size
 
     try:
         limit = float(parse_size(args.limit)) if args.limit else None
@@ -449,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     fleet = None
     if args.config:
-        from fleettop.supervisor.config import FleetError, load_fleet
+        from fleettop.supervisor.config.fleet import FleetError, load_fleet
 
         try:
             fleet = load_fleet(args.config)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor import cgroups
+from fleettop.supervisor.core import cgroups
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def cgroup_v2_writable() -> str:
 
 needs_cgroups = pytest.mark.skipif(bool(cgroup_v2_writable()),
                                    reason=f"needs a writable cgroup v2: {cgroup_v2_writable()}")
-FLEETTOP = [sys.executable, "-m", "fleettop.supervisor.cli"]
+FLEETTOP = [sys.executable, "-m", "fleettop.supervisor.cli.main"]
 
 
 def write_fleet(tmp: Path, text: str, name: str = "fleet.yaml") -> Path:
@@ -49,7 +49,7 @@ def spawn_proxy(state: Path, tokens: dict, cfg: dict, stderr=subprocess.PIPE,
     (state / "tokens.json").write_text(json.dumps(tokens))
     (state / "cfg.json").write_text(json.dumps(cfg))
     return subprocess.Popen(
-        [sys.executable, "-m", "fleettop.probes.proxy_main", "--state-dir", str(state),
+        [sys.executable, "-m", "fleettop.probes.proxy.main", "--state-dir", str(state),
          "--config", str(state / "cfg.json"), "--tokens", str(state / "tokens.json")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
 

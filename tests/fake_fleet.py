@@ -46,7 +46,7 @@ STATES = [
 
 
 class FakeFleet:
-    """In-memory stand-in for `fleettop.supervisor.client.FleetClient`."""
+    """In-memory stand-in for `fleettop.supervisor.control.client.FleetClient`."""
 
     def __init__(self, n_agents: int | None = None, *, gpu: bool = True,
                  readonly: bool = False, lock: bool = True, leaks: bool = True) -> None:

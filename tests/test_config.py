@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.config import FleetError, parse_fleet
-from fleettop.supervisor.units import parse_duration, parse_size, parse_time_of_day
+from fleettop.supervisor.config.fleet import FleetError, parse_fleet
+from fleettop.supervisor.config.units import parse_duration, parse_size, parse_time_of_day
 from tests.conftest import FLEETTOP
 
 ROOT = Path(__file__).resolve().parents[1]

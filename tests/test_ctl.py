@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor import paths, proctree
+from fleettop.supervisor.base import paths
+from fleettop.supervisor.core import proctree
 from tests.conftest import FLEETTOP, needs_cgroups
 
 PY = sys.executable

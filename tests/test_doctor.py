@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fleettop.supervisor import doctor
+from fleettop.supervisor.cli import doctor
 
 NAMES = {"root", "tracefs", "btf", "kprobes", "bcc", "headers", "lockdown", "bpf_load",
          "cgroup", "psi", "nvml", "fleet", "ports", "proxy_ca", "proxy_relay", "terminal"}
 
 
 def doctor_json(*argv: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "fleettop.supervisor.doctor", "doctor",
+    proc = subprocess.run([sys.executable, "-m", "fleettop.supervisor.cli.doctor", "doctor",
                            "--json", *argv], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
     return proc.returncode, json.loads(proc.stdout)
@@ -30,7 +30,7 @@ def test_doctor_on_this_machine_names_every_check_with_a_verdict():
     assert rc == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
     assert out["ok"] == (rc == 0)
     # whatever this machine is, the eBPF verdict agrees with the probe's own precheck
-    from fleettop.probes.telemetry import ebpf_precheck
+    from fleettop.probes.sensors.source import ebpf_precheck
     if ebpf_precheck() is None:
         assert checks["bpf_load"]["status"] == "ok", checks["bpf_load"]
 
@@ -74,7 +74,7 @@ def test_proxy_ca_key_must_be_private(tmp_path: Path):
     rc, out = doctor_json("--no-trial", str(fleet), env=env)
     check = next(c for c in out["checks"] if c["name"] == "proxy_ca")
     assert check["status"] == "ok" and "made at the first start" in check["detail"]
-    from fleettop.supervisor import paths
+    from fleettop.supervisor.base import paths
 
     os.environ["FLEETTOP_STATE_DIR"] = str(state)
     confdir = paths.state_dir(str(fleet)) / "proxy/mitmproxy"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor import paths, proctree
+from fleettop.supervisor.base import paths
+from fleettop.supervisor.core import proctree
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEETTOP = str(Path(sys.executable).parent / "fleettop")

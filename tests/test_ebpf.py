@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.probes import ebpf
-from fleettop.probes.telemetry import TelemetrySource
+from fleettop.probes.sensors import ebpf
+from fleettop.probes.sensors.source import TelemetrySource
 
 try:
     ebpf.check_environment()

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.evictor import (
+from fleettop.supervisor.config.gpu import GpuSection, ThresholdWindow
+from fleettop.supervisor.gpu.evictor import (
     ActivityTracker,
     Evictor,
     GpuMemory,
@@ -24,7 +25,6 @@ from fleettop.supervisor.evictor import (
     read_activity,
     threshold_at,
 )
-from fleettop.supervisor.sections_gpu import GpuSection, ThresholdWindow
 
 GIB = 1024**3
 BASE = 300 * 1024**2

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from fleettop.supervisor.evictor import GpuMemory
-from fleettop.supervisor.governor import (
+from fleettop.supervisor.config.gpu import GovernorSection
+from fleettop.supervisor.gpu.evictor import GpuMemory
+from fleettop.supervisor.gpu.governor import (
     Governor,
     Sampler,
     high_order_free_share,
@@ -20,7 +21,6 @@ from fleettop.supervisor.governor import (
     read_state,
     shrink_request,
 )
-from fleettop.supervisor.sections_gpu import GovernorSection
 from tests.conftest import needs_cgroups
 
 CALM = ("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
@@ -270,8 +270,8 @@ while True:  # 96 MiB read over and over under a 24 MiB limit: reclaim, refault,
 async def test_real_memory_pressure_in_an_agent_cgroup_raises_the_level(tmp_path: Path) -> None:
     import sys
 
-    from fleettop.supervisor.config import parse_fleet
-    from fleettop.supervisor.fleet import Supervisor
+    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.core.supervisor import Supervisor
 
     if read_psi("/proc/pressure/memory") is None:
         pytest.skip("needs PSI (/proc/pressure/memory): kernel built without CONFIG_PSI or "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleettop.probes.gpu import FakeGpu, GpuSource, NvmlGpu
+from fleettop.probes.sensors.nvml import FakeGpu, GpuSource, NvmlGpu
 
 
 def test_fake_gpu_attributes_vram_to_a_tree():
@@ -57,7 +57,7 @@ def test_real_nvml_sees_the_gpu_and_a_process_using_it():
 def test_each_gpu_lists_the_processes_on_it():
     from types import SimpleNamespace
 
-    from fleettop.supervisor.wiring import _gpus_part
+    from fleettop.supervisor.capabilities.assemble import _gpus_part
 
     gpu = FakeGpu(total=8 << 30, count=2)
     gpu.set_process_vram(100, 1 << 30, gpu=0)

@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from fleettop.supervisor.agent import AgentState
-from fleettop.supervisor.config import parse_fleet
-from fleettop.supervisor.fleet import Supervisor
-from fleettop.supervisor.gpu_link import GpuLink
-from fleettop.supervisor.gpulock import status
+from fleettop.supervisor.capabilities.gpu_start import GpuLink
+from fleettop.supervisor.config.fleet import parse_fleet
+from fleettop.supervisor.core.agent import AgentState
+from fleettop.supervisor.core.supervisor import Supervisor
+from fleettop.supervisor.gpu.lock import status
 
 
 async def wait_for(pred, timeout: float = 15.0, what: str = "") -> None:

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor import gpulock
-from fleettop.supervisor.gpulock import GpuLock, LockTimeout, gpu_lock, proc_start_time, status
-from fleettop.supervisor.lock_cli import EXIT_SKIPPED
+from fleettop.supervisor.cli.lock import EXIT_SKIPPED
+from fleettop.supervisor.gpu import lock as gpulock
+from fleettop.supervisor.gpu.lock import GpuLock, LockTimeout, gpu_lock, proc_start_time, status
 
 CHILD = """
 import sys, time
-from fleettop.supervisor.gpulock import gpu_lock
+from fleettop.supervisor.gpu.lock import gpu_lock
 folder, name, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
 with gpu_lock(folder, name=name, model="m", timeout=60) as lock:
     with open(folder + "/order", "a") as f:
@@ -34,7 +34,7 @@ with gpu_lock(folder, name=name, model="m", timeout=60) as lock:
 
 HOLDER = """
 import os, sys, time
-from fleettop.supervisor.gpulock import gpu_lock
+from fleettop.supervisor.gpu.lock import gpu_lock
 folder, name, fork = sys.argv[1], sys.argv[2], sys.argv[3] == "fork"
 with gpu_lock(folder, name=name, timeout=60) as lock:
     with open(folder + "/order", "a") as f:
@@ -76,7 +76,7 @@ def _wait_until(cond: object, what: str, limit: float = 20.0) -> None:
 
 
 def _lock_cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fleettop.supervisor.lock_cli", "lock", *args],
+    return subprocess.run([sys.executable, "-m", "fleettop.supervisor.cli.lock", "lock", *args],
                           capture_output=True, text=True, timeout=60, **kw)  # type: ignore
 
 
@@ -197,7 +197,7 @@ def test_leftovers_without_a_ticket_are_swept(folder: Path,
     (folder / "queue").mkdir(parents=True)
     for name in ("000000000003.wake", "000000000004.held"):
         (folder / "queue" / name).write_text("")
-    with caplog.at_level(logging.WARNING, logger="fleettop.supervisor.gpulock"), \
+    with caplog.at_level(logging.WARNING, logger="fleettop.supervisor.gpu.lock"), \
             gpu_lock(folder, timeout=5) as lock:
         assert lock.ticket is not None and lock.ticket.seq == 5
         assert sorted(os.listdir(folder / "queue")) == ["000000000005.held",
@@ -248,7 +248,7 @@ def test_garbage_files_are_ignored_with_a_warning(folder: Path,
     (folder / "queue" / "notes.txt").write_text("hello")
     (folder / "queue" / "000000000001.ticket").write_text("{not json")
     (folder / "seq").write_text("garbage")
-    with caplog.at_level(logging.WARNING, logger="fleettop.supervisor.gpulock"), \
+    with caplog.at_level(logging.WARNING, logger="fleettop.supervisor.gpu.lock"), \
             gpu_lock(folder, timeout=5) as lock:
         assert lock.ticket is not None and lock.ticket.seq == 2
     assert "notes.txt" in caplog.text and "000000000001.ticket" in caplog.text
@@ -341,7 +341,7 @@ def test_status_json_lists_queue_in_order(folder: Path) -> None:
 
 
 async def _gate_order(folder: Path, max_wait: float) -> list[str]:
-    from fleettop.supervisor.gpu_link import GpuGate
+    from fleettop.supervisor.capabilities.gpu_start import GpuGate
 
     gate = GpuGate(folder, max_wait=max_wait)
     order: list[str] = []
@@ -378,7 +378,7 @@ async def test_proxy_gate_max_wait_stops_starvation(folder: Path) -> None:
 
 
 def test_pick_next_rule() -> None:
-    from fleettop.supervisor.gpu_link import GateRequest, pick_next
+    from fleettop.supervisor.capabilities.gpu_start import GateRequest, pick_next
 
     loop = asyncio.new_event_loop()
     try:

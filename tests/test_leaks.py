@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleettop.supervisor.leaks import (
+from fleettop.supervisor.detect.leaks import (
     FAST,
     MEDIUM,
     LeakDetector,

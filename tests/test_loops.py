@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.loops import (
+from fleettop.supervisor.detect.token_loop import (
     LoopDetector,
     LoopParams,
     Normaliser,
@@ -188,7 +188,7 @@ def test_retries_of_the_same_prompt_trip():
 
 
 def test_retry_max_lag_and_fuzzy_chars_from_the_fleet_file():
-    from fleettop.supervisor.sections_proxy import BreakerSection
+    from fleettop.supervisor.config.proxy import BreakerSection
 
     default = BreakerSection().loop_params()
     assert (default.retry_max_lag, default.retry_fuzzy_chars) == (None, 64)

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from fleettop.probes.gpu import FakeGpu
-from fleettop.probes.procfs import ProcfsProbe, read_proc, tree_pids
-from fleettop.probes.telemetry import AgentSample, TelemetrySource
-from fleettop.supervisor.sections_probes import LeakSection, ProbesSection
-from fleettop.supervisor.telemetry_link import TelemetryLink
+from fleettop.probes.sensors.nvml import FakeGpu
+from fleettop.probes.sensors.procfs import ProcfsProbe, read_proc, tree_pids
+from fleettop.probes.sensors.source import AgentSample, TelemetrySource
+from fleettop.supervisor.capabilities.telemetry import TelemetryLink
+from fleettop.supervisor.config.probes import LeakSection, ProbesSection
 
 MiB = 1 << 20
 

@@ -371,9 +371,9 @@ async def test_proxy_link_env_freeze_and_release(tmp_path, upstream):
     import asyncio
     from types import SimpleNamespace
 
-    from fleettop.supervisor.events import Event
-    from fleettop.supervisor.proxy_link import ProxyLink, proxy_env
-    from fleettop.supervisor.sections_proxy import BreakerSection, ProxySection
+    from fleettop.supervisor.capabilities.proxy import ProxyLink, proxy_env
+    from fleettop.supervisor.config.proxy import BreakerSection, ProxySection
+    from fleettop.supervisor.core.events import Event
 
     sup = FakeSupervisor()
     link = ProxyLink(sup, ProxySection(stats_interval=0.2), BreakerSection(), tmp_path)
@@ -460,9 +460,9 @@ async def test_repeated_trip_freeze_resume_cycles_do_not_stall(tmp_path, upstrea
     for `agent.frozen` (the supervisor's freeze is complete), and every resume is accepted."""
     import asyncio
 
-    from fleettop.supervisor.config import parse_fleet
-    from fleettop.supervisor.fleet import Supervisor
-    from fleettop.supervisor.proxy_link import ProxyLink
+    from fleettop.supervisor.capabilities.proxy import ProxyLink
+    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.core.supervisor import Supervisor
 
     fleet = {"agents": {"cycler": {"cmd": [sys.executable, "-c", LOOP_AGENT], "restart": "no",
                                    "env": {"LOOP_UPSTREAM": upstream}}}}
@@ -499,9 +499,9 @@ async def test_release_survives_a_flooded_event_queue(tmp_path, upstream):
     burst of events before the link's task runs (bounded queues drop their oldest)."""
     import asyncio
 
-    from fleettop.supervisor.config import parse_fleet
-    from fleettop.supervisor.fleet import Supervisor
-    from fleettop.supervisor.proxy_link import ProxyLink
+    from fleettop.supervisor.capabilities.proxy import ProxyLink
+    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.core.supervisor import Supervisor
 
     text = json.dumps({"agents": {}})
     (tmp_path / "fleet.yaml").write_text(text)
@@ -531,9 +531,9 @@ async def test_resume_during_an_unconfirmed_freeze_is_not_lost(tmp_path, monkeyp
     frozen. A resume sent then must end with the agent running."""
     import asyncio
 
-    from fleettop.supervisor import cgroups
-    from fleettop.supervisor.config import parse_fleet
-    from fleettop.supervisor.fleet import Supervisor
+    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.core import cgroups
+    from fleettop.supervisor.core.supervisor import Supervisor
 
     text = json.dumps({"agents": {"sleeper": {"cmd": ["sleep", "60"], "restart": "no"}}})
     (tmp_path / "fleet.yaml").write_text(text)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.proxy_link import proxy_env, write_ca_bundle
+from fleettop.supervisor.capabilities.proxy import proxy_env, write_ca_bundle
 from tests.agents_venv import agents_python
 from tests.conftest import FLEETTOP, end_by_eof, needs_cgroups
 
@@ -290,7 +290,7 @@ class Proxy:
         cfg = {"proxy": {"stats_interval": 0.5, "upstream_ca": str(upstream_ca)}}
         (state / "cfg.json").write_text(json.dumps(cfg))
         self.proc = subprocess.Popen(
-            [PY, "-m", "fleettop.probes.proxy_main", "--state-dir", str(state), "--config",
+            [PY, "-m", "fleettop.probes.proxy.main", "--state-dir", str(state), "--config",
              str(state / "cfg.json"), "--tokens", str(self.tokens_file)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=_no_proxy_env())

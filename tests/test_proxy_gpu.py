@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.gpulock import GpuLock
+from fleettop.supervisor.gpu.lock import GpuLock
 from tests.conftest import end_by_eof, spawn_proxy
 
 TOKENS = {"alice": "a" * 32, "bob": "b" * 32, "carol": "c" * 32, "excl": "e" * 32}
@@ -242,7 +242,7 @@ def test_a_request_waits_for_the_lock_and_times_out_cleanly(make_proxy, mock, tm
 
 
 def test_activity_file_tracks_requests_to_gpu_servers(make_proxy, mock, tmp_path):
-    from fleettop.supervisor.evictor import model_key, read_activity
+    from fleettop.supervisor.gpu.evictor import model_key, read_activity
 
     mock_reset(mock)
     proxy = make_proxy(gpu_config(tmp_path, mock))

@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 from mitmproxy import ctx
 from mitmproxy.test import tflow, tutils
 
-from fleettop.probes import wire
-from fleettop.probes.proxy_addon import FleettopProxy
+from fleettop.probes.proxy import wire
+from fleettop.probes.proxy.breaker import FleettopProxy
 from tests.conftest import end_by_eof, spawn_proxy
 
 FAST = settings(max_examples=120, deadline=None,
@@ -486,7 +486,7 @@ _SECRETISH = ["sk-", "sk-ant-", "pk-live-", "rk-", "AIza", "hf_", "ghp_", "ghs_"
 @given(st.lists(st.one_of(st.sampled_from(_SECRETISH), st.text(max_size=6)), max_size=24))
 def test_redact_text_is_the_four_substitutions_in_order(parts):
     # redact_text only tries each pattern where its leading literal occurs: same result.
-    from fleettop.supervisor import redact as r
+    from fleettop.supervisor.detect import redact as r
 
     text = "".join(parts)
     want = r._KEY_SHAPES.sub(r.REDACTED, text)

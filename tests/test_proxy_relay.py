@@ -1,4 +1,4 @@
-"""How the proxy relays (probes/proxy_relay.py): what one upstream read brought goes on as one
+"""How the proxy relays (probes/proxy/relay.py): what one upstream read brought goes on as one
 piece, on uvloop; the same bytes either way. The real proxy process, a raw-socket upstream that
 sends many chunks in one write, a raw-socket client that reads the chunk framing."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.probes import proxy_relay
+from fleettop.probes.proxy import relay as proxy_relay
 from tests.conftest import spawn_proxy
 
 TOKEN = "tok-relay-0123456789"
@@ -236,7 +236,7 @@ def client_socket(monkeypatch):
 
 
 async def test_direct_writes_send_a_plain_http1_clients_chunks_themselves(client_socket):
-    from fleettop.probes.proxy_addon import FleettopProxy
+    from fleettop.probes.proxy.breaker import FleettopProxy
 
     make_flow, peer, setup = client_socket
     await setup()

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fleettop.supervisor import cli
+from fleettop.supervisor.cli import main as cli
 from fleettop.supervisor.replay import BadInput, ReplayParams, replay_path, replay_stream, sniff
 from tests.conftest import spawn_proxy
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.router import (
+from fleettop.supervisor.config.gpu import ModelsSection, RoutesSection, check_routes
+from fleettop.supervisor.gpu.router import (
     Choice,
     Hardware,
     Load,
@@ -19,7 +20,6 @@ from fleettop.supervisor.router import (
     route,
     task_of,
 )
-from fleettop.supervisor.sections_gpu import ModelsSection, RoutesSection, check_routes
 
 GIB = 2**30
 MODELS = ModelsSection.model_validate({
@@ -107,7 +107,7 @@ def test_route_cli_explains_on_this_machine(tmp_path: Path) -> None:
         "  tiny: {backend: ollama, url: 'http://127.0.0.1:11434', device: cpu}\n"
         "  writer: {backend: ollama, url: 'http://127.0.0.1:11434', vram: 5GiB}\n"
         "routes:\n  write: [writer, tiny]\n")
-    code = ("import sys, argparse; from fleettop.supervisor import router; "
+    code = ("import sys, argparse; from fleettop.supervisor.gpu import router; "
             "p = argparse.ArgumentParser(); router.add_parser(p.add_subparsers()); "
             "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
     env = {"FLEETTOP_STATE_DIR": str(tmp_path / "state"), "PATH": "/usr/bin:/bin"}

@@ -20,8 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from fleettop.supervisor.sections_serve import ServeSection, is_loopback
-from fleettop.supervisor.serve import (
+from fleettop.supervisor.config.serve import ServeSection, is_loopback
+from fleettop.supervisor.web.server import (
     SCHEMA_VERSION,
     MetricsServer,
     banner,
@@ -420,7 +420,7 @@ def test_parse_serve_address() -> None:
 
 
 def test_serve_never_imports_textual() -> None:
-    code = ("import sys, fleettop.supervisor.serve, fleettop.supervisor.sections_serve; "
+    code = ("import sys, fleettop.supervisor.web.server, fleettop.supervisor.config.serve; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('textual'))))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], check=True,
                          capture_output=True, text=True).stdout
@@ -430,10 +430,10 @@ def test_serve_never_imports_textual() -> None:
 # -- against the real supervisor ------------------------------------------------------------
 
 async def test_real_supervisor_stream_metrics_and_freeze(tmp_path: Path) -> None:
-    from fleettop.supervisor.agent import AgentState
-    from fleettop.supervisor.client import InProcessClient
-    from fleettop.supervisor.config import parse_fleet
-    from fleettop.supervisor.fleet import Supervisor
+    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.control.client import InProcessClient
+    from fleettop.supervisor.core.agent import AgentState
+    from fleettop.supervisor.core.supervisor import Supervisor
 
     sleeper = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"]
     text = json.dumps({"agents": {"alpha": {"cmd": sleeper}, "beta": {"cmd": sleeper}}})

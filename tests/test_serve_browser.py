@@ -27,8 +27,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from fleettop.supervisor import cgroups
-from fleettop.supervisor.serve import MetricsServer
+from fleettop.supervisor.core import cgroups
+from fleettop.supervisor.web.server import MetricsServer
 from tests.conftest import needs_cgroups
 from tests.fake_serve_fleet import FakeFleetClient
 
@@ -225,10 +225,10 @@ SLEEPER = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"]
 
 @needs_cgroups
 async def test_page_freezes_a_real_agent_and_its_cgroup_shows_frozen(tmp_path: Path) -> None:
-    from fleettop.supervisor.agent import AgentState
-    from fleettop.supervisor.client import InProcessClient
-    from fleettop.supervisor.config import parse_fleet
-    from fleettop.supervisor.fleet import Supervisor
+    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.control.client import InProcessClient
+    from fleettop.supervisor.core.agent import AgentState
+    from fleettop.supervisor.core.supervisor import Supervisor
 
     text = json.dumps({"agents": {name: {"cmd": SLEEPER} for name in ("alpha", "beta")}})
     (tmp_path / "fleet.yaml").write_text(text)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor import cgroups, proctree
-from fleettop.supervisor.agent import AgentState
-from fleettop.supervisor.config import parse_fleet
-from fleettop.supervisor.fleet import Supervisor
+from fleettop.supervisor.config.fleet import parse_fleet
+from fleettop.supervisor.core import cgroups, proctree
+from fleettop.supervisor.core.agent import AgentState
+from fleettop.supervisor.core.supervisor import Supervisor
 from tests.conftest import needs_cgroups
 
 PY = sys.executable
@@ -130,7 +130,7 @@ async def test_restart_backoff_then_start_limit(tmp_path: Path) -> None:
 
 
 async def test_backoff_has_jitter_and_resets_after_a_stable_run(tmp_path: Path) -> None:
-    from fleettop.supervisor.agent import backoff_delay
+    from fleettop.supervisor.core.agent import backoff_delay
 
     spec = fleet_of(tmp_path, "agents:\n  a: {cmd: x, backoff: {initial: 1s, max: 8s}}\n"
                     ).agents["a"]
@@ -277,7 +277,7 @@ async def test_leftover_cgroup_of_a_dead_fleettop_is_cleaned(tmp_path: Path) -> 
 
 
 async def test_state_machine_rejects_illegal_transitions(tmp_path: Path) -> None:
-    from fleettop.supervisor.agent import AgentRuntime, IllegalTransition
+    from fleettop.supervisor.core.agent import AgentRuntime, IllegalTransition
 
     rt = AgentRuntime(fleet_of(tmp_path, "agents:\n  a: {cmd: x}\n").agents["a"])
     with pytest.raises(IllegalTransition):

@@ -586,7 +586,7 @@ def test_format_helpers() -> None:
 
 
 def test_ui_section_ids_match_the_bindings() -> None:
-    from fleettop.supervisor.sections_ui import BINDING_IDS, UiSection
+    from fleettop.supervisor.config.ui import BINDING_IDS, UiSection
 
     assert {b.id for b in APP_BINDINGS} == set(BINDING_IDS)
     ui = UiSection.model_validate({"refresh": "2s", "keys": {"kill": "ctrl+k"}})
@@ -599,7 +599,7 @@ def test_core_section_does_not_import_textual() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, fleettop.supervisor.sections_ui; "
+    code = ("import sys, fleettop.supervisor.config.ui; "
             "assert 'textual' not in sys.modules and 'fleettop.tui' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 

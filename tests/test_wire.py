@@ -11,7 +11,7 @@ import brotli
 import pytest
 import zstandard
 
-from fleettop.probes.wire import ResponseParser, classify
+from fleettop.probes.proxy.wire import ResponseParser, classify
 
 OPENAI_SSE = b"".join(
     b"data: " + json.dumps({"model": "m1", "choices": [{"delta": {"content": t}}]}).encode()

@@ -53,7 +53,7 @@ REFRESH_KINDS = ("agent.", "breaker.", "lock.", "gpu.")
 
 
 class FleetClient(Protocol):
-    """What the app needs from the supervisor (see fleettop.supervisor.client)."""
+    """What the app needs from the supervisor (see fleettop.supervisor.control.client)."""
 
     readonly: bool
 

@@ -1,0 +1,1 @@
+"""What plugs into a running supervisor (proxy, telemetry, GPU start gate)."""

@@ -1,0 +1,1 @@
+"""The command line: one module per verb; the only place that picks a front end."""

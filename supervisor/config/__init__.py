@@ -1,0 +1,1 @@
+"""The fleet file: a YAML loader with positions and one pydantic model per section."""

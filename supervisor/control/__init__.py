@@ -1,0 +1,1 @@
+"""How anyone reaches a running supervisor: one client interface, dispatch, the socket."""

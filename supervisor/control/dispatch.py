@@ -1,0 +1,84 @@
+"""Control requests as plain dicts: one dispatcher for the socket, the UI and the web view."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleettop.supervisor.core.supervisor import Supervisor
+
+MUTATING = frozenset({"freeze", "resume", "restart", "stop", "start", "shutdown", "reload"})
+
+
+def _pid(req: dict[str, Any]) -> int | None:
+    pid = req.get("pid")
+    if pid is None:
+        return None
+    if isinstance(pid, bool) or not isinstance(pid, int | str) or not str(pid).isdigit():
+        raise ValueError(f"pid must be a number, got {pid!r}")
+    return int(pid)
+
+
+async def dispatch(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
+    cmd = req.get("cmd")
+    name = req.get("name")
+    try:
+        if cmd == "status":
+            # The web token is for the socket's owner only: never part of the snapshot,
+            # which the web view serves to anyone who can read it.
+            token = getattr(sup, "serve_token", None)
+            return {"ok": True, **sup.snapshot(), **({"serve_token": token} if token else {})}
+        if cmd in ("freeze", "resume"):
+            pid = _pid(req)
+            reason = str(req.get("reason") or f"{cmd} by {req.get('source', 'user')}")
+            if pid is not None:
+                owner = next((rt for rt in sup.agents.values() if pid in rt.pids()), None)
+                if owner is not None and owner.pid == pid:
+                    name = owner.name
+                else:
+                    return (sup.freeze_pid(pid, reason) if cmd == "freeze"
+                            else sup.resume_pid(pid, reason))
+            if not name:
+                return {"ok": False, "error": f"{cmd} needs a name or a pid"}
+            if cmd == "freeze":
+                return await sup.freeze_agent(name, reason, source=req.get("source", "user"))
+            return await sup.resume_agent(name, reason, source=req.get("source", "user"))
+        if cmd in ("restart", "stop", "start", "logs") and not name:
+            return {"ok": False, "error": f"{cmd} needs an agent name"}
+        if cmd == "restart":
+            return await sup.restart_agent(name)
+        if cmd == "stop":
+            return await sup.stop_agent(name, sig=req.get("signal"))
+        if cmd == "start":
+            return await sup.start_agent(name)
+        if cmd == "logs":
+            rt = sup.agents.get(name)
+            if rt is None:
+                return {"ok": False, "error": f"no agent named {name!r}"}
+            n = int(req.get("n", 100))
+            lines = rt.log.lines(n) if rt.log else []
+            path = str(rt.log.path) if rt.log else None
+            return {"ok": True, "name": name, "lines": lines, "path": path}
+        if cmd == "events":
+            n = int(req.get("n", 100))
+            return {"ok": True, "events": [e.to_json() for e in list(sup.events)[-n:]]}
+        if cmd == "reload":
+            from fleettop.supervisor.config.fleet import FleetError, load_fleet
+
+            path = sup.fleet.path
+            if not path:
+                return {"ok": False, "error": "this fleet was not read from a file"}
+            try:
+                fleet = load_fleet(path)
+            except FleetError as exc:  # a bad file changes nothing
+                return {"ok": False, "error": f"fleet file not applied:\n{exc}"}
+            return await sup.reload(fleet)
+        if cmd == "shutdown":
+            sup.shutdown_mode = str(req.get("frozen", "stop"))
+            sup.shutdown_requested.set()
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown command {cmd!r}"}
+    except KeyError as exc:
+        return {"ok": False, "error": str(exc.args[0]) if exc.args else str(exc)}
+    except (ValueError, PermissionError, OSError) as exc:
+        return {"ok": False, "error": str(exc)}

@@ -1,0 +1,1 @@
+"""The agent lifecycle: spawn, cgroups, freeze and thaw, restarts, schedules, snapshots."""

@@ -1,0 +1,1 @@
+"""The second viewer: WebSocket stream, Prometheus /metrics and the web page."""
