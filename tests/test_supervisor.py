@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fleettop.supervisor.config.fleet import parse_fleet
+from fleettop.supervisor.control.dispatch import dispatch
 from fleettop.supervisor.core import cgroups, proctree
 from fleettop.supervisor.core.agent import AgentState
 from fleettop.supervisor.core.supervisor import Supervisor
@@ -207,16 +208,16 @@ async def test_freeze_an_external_pid(tmp_path: Path) -> None:
     ext = subprocess.Popen(["sleep", "100"])
     try:
         async for sup in running(tmp_path, "agents: {}\n"):
-            reply = await sup.command({"cmd": "freeze", "pid": ext.pid})
+            reply = await dispatch(sup, {"cmd": "freeze", "pid": ext.pid})
             assert reply["ok"] and proctree.proc_state(ext.pid) == "T"
             snap = sup.snapshot()
             assert snap["external"][0]["pid"] == ext.pid
             assert snap["external"][0]["state"] == "frozen"
-            reply = await sup.command({"cmd": "resume", "pid": ext.pid})
+            reply = await dispatch(sup, {"cmd": "resume", "pid": ext.pid})
             assert reply["ok"]
             # SIGCONT makes it runnable (R) for a moment before it sleeps again (S).
             await wait_for(lambda: proctree.proc_state(ext.pid) == "S", 5, "asleep again")
-            assert (await sup.command({"cmd": "freeze", "pid": 999999}))["ok"] is False
+            assert (await dispatch(sup, {"cmd": "freeze", "pid": 999999}))["ok"] is False
     finally:
         ext.kill()
         ext.wait()

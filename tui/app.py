@@ -8,8 +8,7 @@ never overlap and the UI never waits on the supervisor.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -18,6 +17,8 @@ from textual.geometry import Size
 from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import Button, Footer, Input, Static
+
+from fleettop.supervisor.control.api import FleetClient, mutates
 
 from . import format as fmt
 from .bindings import APP_BINDINGS, MUTATING_ACTIONS, unknown_ids
@@ -50,18 +51,6 @@ LIVE_STATES = {"running", "starting", "frozen", "waiting", "backoff", "stopping"
 """States in which `s` stops rather than starts."""
 REFRESH_KINDS = ("agent.", "breaker.", "lock.", "gpu.")
 """Event kinds that trigger an early poll, so a freeze shows before the next tick."""
-
-
-class FleetClient(Protocol):
-    """What the app needs from the supervisor (see fleettop.supervisor.control.client)."""
-
-    readonly: bool
-
-    async def snapshot(self) -> dict[str, Any]: ...
-
-    async def command(self, req: dict[str, Any]) -> dict[str, Any]: ...
-
-    def events(self) -> AsyncIterator[dict[str, Any]]: ...
 
 
 class FleettopApp(App[str | None]):
@@ -291,7 +280,7 @@ class FleettopApp(App[str | None]):
 
     def send(self, request: dict[str, Any]) -> None:
         """Send a command in a worker; the reply comes back as CommandReplied."""
-        if self.readonly and request.get("cmd") not in ("logs", "status", "events"):
+        if self.readonly and mutates(request):
             self.notify("read-only viewer", severity="warning")
             return
         self.post_message(CommandIssued(request))

@@ -43,6 +43,8 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 
 from fleettop.probes.proxy import wire
+from fleettop.supervisor.base import jsonlines
+from fleettop.supervisor.base.files import atomic_write_json
 from fleettop.supervisor.config.proxy import (
     AgentBreakerSection,
     BreakerSection,
@@ -538,9 +540,7 @@ class FleettopProxy:
                 for req in requests:
                     fh.write(json.dumps(req) + "\n")
             # event.json last: a folder with it is complete.
-            tmp = folder / ".event.json.tmp"
-            tmp.write_text(json.dumps(event, indent=2))
-            os.replace(tmp, folder / "event.json")
+            atomic_write_json(folder / "event.json", event, indent=2)
         except OSError:
             log.exception("fleettop addon: cannot write incident")
 
@@ -680,11 +680,8 @@ def stdin_commands(addon: FleettopProxy, loop: asyncio.AbstractEventLoop, stream
 
     def reader() -> None:
         for line in stream:
-            try:
-                cmd = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(cmd, dict):
+            cmd = jsonlines.decode(line)
+            if cmd is not None:
                 loop.call_soon_threadsafe(addon.command, cmd)
         if on_eof is not None:
             loop.call_soon_threadsafe(on_eof)

@@ -27,36 +27,19 @@ import logging
 import os
 import socket
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 from fleettop.probes.proxy.breaker import FleettopProxy, stdin_commands
 from fleettop.probes.proxy.gpu import FleettopGpu
 from fleettop.probes.proxy.relay import merge_reads, merge_reads_on, new_event_loop
+from fleettop.supervisor.base.jsonlines import LineWriter
 
 
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-class _Out:
-    """Line-atomic JSON writer on the real stdout (mitmproxy must never write there)."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-        self._lock = threading.Lock()
-
-    def __call__(self, event: dict[str, Any]) -> None:
-        line = json.dumps(event, default=str) + "\n"
-        with self._lock:
-            try:
-                self._stream.write(line)
-                self._stream.flush()
-            except (BrokenPipeError, ValueError):
-                pass
 
 
 class _Both:
@@ -77,7 +60,7 @@ def _protect_ca(confdir: Path) -> None:
             os.chmod(path, 0o600)
 
 
-async def _run(args: argparse.Namespace, out: _Out, cfg: dict[str, Any]) -> int:
+async def _run(args: argparse.Namespace, out: LineWriter, cfg: dict[str, Any]) -> int:
     from mitmproxy.options import Options
     from mitmproxy.tools.dump import DumpMaster
 
@@ -156,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     # Reports own stdout; everything mitmproxy or Python logs goes to stderr.
-    out = _Out(sys.stdout)
+    out = LineWriter(sys.stdout)
     sys.stdout = sys.stderr
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

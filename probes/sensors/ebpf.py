@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import select
 import struct
@@ -30,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from fleettop.supervisor.base import jsonlines
 
 SRC = Path(__file__).with_name("ebpf.c")
 TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
@@ -377,14 +378,19 @@ def self_rss_bytes() -> int:
     return 0
 
 
+def _out(obj: dict[str, Any]) -> None:
+    jsonlines.LineWriter(sys.stdout)(obj)
+
+
 def _emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
+    _out(obj)
 
 
 def _handle(probe: KernelProbe, line: str) -> None:
     try:
-        req = json.loads(line)
+        req = jsonlines.decode(line)
+        if req is None:
+            raise ValueError(f"not a JSON object: {line.strip()[:200]}")
         if req.get("cmd") == "watch":
             probe.watch(str(req["agent"]), int(req["pid"]))
         elif req.get("cmd") == "unwatch":

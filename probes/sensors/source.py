@@ -10,7 +10,6 @@ blocks on the kernel: it turns the latest cumulative counters into rates.
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from typing import Any
 
 from fleettop.probes.sensors import ebpf
 from fleettop.probes.sensors.procfs import ProcfsProbe
+from fleettop.supervisor.base import jsonlines
 
 RATE_WINDOW_S = 1.0
 LOAD_TIMEOUT_S = 60.0  # compile on a busy 2-core box can take tens of seconds
@@ -154,9 +154,7 @@ class TelemetrySource:
                                   daemon=True)
         reader.start()
         reader.join(LOAD_TIMEOUT_S)
-        msg: dict[str, Any] = {}
-        with contextlib.suppress(ValueError, IndexError):
-            msg = json.loads(first[0])
+        msg: dict[str, Any] = (jsonlines.decode(first[0]) if first else None) or {}
         if msg.get("type") != "ready":
             proc.kill()
             err = b""
@@ -215,7 +213,7 @@ class TelemetrySource:
         if proc is None or proc.stdin is None:
             return
         try:
-            proc.stdin.write((json.dumps(req) + "\n").encode())
+            proc.stdin.write(jsonlines.encode(req))
             proc.stdin.flush()
         except OSError as exc:
             self._loader_died(f"eBPF loader pipe closed: {exc}")
@@ -224,9 +222,8 @@ class TelemetrySource:
     def _read_loader(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
         for raw in proc.stdout:
-            try:
-                msg = json.loads(raw)
-            except ValueError:
+            msg = jsonlines.decode(raw)
+            if msg is None:
                 continue
             kind = msg.get("type")
             if kind == "sample":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 import sys
@@ -24,6 +23,8 @@ from typing import Any
 
 import certifi
 
+from fleettop.supervisor.base import jsonlines
+from fleettop.supervisor.base.files import atomic_write, atomic_write_json
 from fleettop.supervisor.config.proxy import BreakerSection, ProxySection
 
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "127.0.0.0/8", "0.0.0.0", "*"}
@@ -36,10 +37,7 @@ _STAT_FIELDS = ("tokens_in", "tokens_out", "cost", "req_per_min", "requests", "l
 def write_ca_bundle(ca_cert: Path, out: Path) -> Path:
     """certifi's roots + the fleettop CA, for SSL_CERT_FILE / REQUESTS_CA_BUNDLE."""
     data = Path(certifi.where()).read_bytes().rstrip() + b"\n" + ca_cert.read_bytes()
-    tmp = out.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, out)
-    return out
+    return atomic_write(out, data)
 
 
 def proxy_env(agent: str, token: str, port: int, *, host: str = "127.0.0.1",
@@ -242,9 +240,8 @@ class ProxyLink:
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
-            try:
-                event = json.loads(line)
-            except ValueError:
+            event = jsonlines.decode(line)
+            if event is None:
                 continue
             try:
                 await self.handle(event)
@@ -318,7 +315,7 @@ class ProxyLink:
         if proc is None or proc.stdin is None or proc.returncode is not None:
             return
         with contextlib.suppress(ConnectionError, RuntimeError):
-            proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            proc.stdin.write(jsonlines.encode(cmd))
 
     def release(self, name: str) -> None:
         self.send({"cmd": "release", "agent": name})
@@ -348,8 +345,4 @@ class ProxyLink:
 
     @staticmethod
     def _write_private(path: Path, data: Any) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
+        atomic_write_json(path, data, mode=0o600)

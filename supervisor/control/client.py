@@ -1,4 +1,4 @@
-"""The narrow interface viewers (TUI, web view, ctl) use to reach a supervisor."""
+"""The two FleetClients: in the supervisor's own process, and over its control socket."""
 
 from __future__ import annotations
 
@@ -6,20 +6,17 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from fleettop.supervisor.base import jsonlines
+from fleettop.supervisor.control.api import FleetClient, refusal
+from fleettop.supervisor.control.dispatch import dispatch
 
 if TYPE_CHECKING:
     from fleettop.supervisor.core.supervisor import Supervisor
 
 
-class FleetClient(Protocol):
-    readonly: bool
-
-    async def snapshot(self) -> dict[str, Any]: ...
-
-    async def command(self, req: dict[str, Any]) -> dict[str, Any]: ...
-
-    def events(self) -> AsyncIterator[dict[str, Any]]: ...
+__all__ = ["FleetClient", "InProcessClient", "SocketClient"]
 
 
 class InProcessClient:
@@ -33,11 +30,7 @@ class InProcessClient:
         return self.sup.snapshot()
 
     async def command(self, req: dict[str, Any]) -> dict[str, Any]:
-        from fleettop.supervisor.control.dispatch import MUTATING
-
-        if self.readonly and req.get("cmd") in MUTATING:
-            return {"ok": False, "error": "read-only mode"}
-        return await self.sup.command(req)
+        return refusal(req, self.readonly) or await dispatch(self.sup, req)
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         q = self.sup.subscribe()
@@ -67,7 +60,7 @@ class SocketClient:
                         self._conn = await asyncio.open_unix_connection(str(self.path),
                                                                         limit=1 << 24)
                     reader, writer = self._conn
-                    writer.write(json.dumps(req).encode() + b"\n")
+                    writer.write(jsonlines.encode(req))
                     await writer.drain()
                     line = await reader.readline()
                     if not line:
@@ -85,17 +78,16 @@ class SocketClient:
         return reply
 
     async def command(self, req: dict[str, Any]) -> dict[str, Any]:
-        from fleettop.supervisor.control.dispatch import MUTATING
-
-        if self.readonly and req.get("cmd") in MUTATING:
-            return {"ok": False, "error": "read-only mode"}
+        refused = refusal(req, self.readonly)
+        if refused is not None:
+            return refused
         if req.get("cmd") == "shutdown" and not self.allow_shutdown:
             return {"ok": True, "ignored": "a viewer leaves the fleet running"}
         return await self._request(req)
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         reader, writer = await asyncio.open_unix_connection(str(self.path), limit=1 << 24)
-        writer.write(json.dumps({"cmd": "events", "follow": True, "n": 0}).encode() + b"\n")
+        writer.write(jsonlines.encode({"cmd": "events", "follow": True, "n": 0}))
         await writer.drain()
         try:
             while line := await reader.readline():

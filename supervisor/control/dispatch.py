@@ -1,4 +1,7 @@
-"""Control requests as plain dicts: one dispatcher for the socket, the UI and the web view."""
+"""Control requests as plain dicts: one dispatcher for the socket, the UI and the web view.
+
+It sits above the core: the Supervisor never imports it back.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fleettop.supervisor.core.supervisor import Supervisor
 
-MUTATING = frozenset({"freeze", "resume", "restart", "stop", "start", "shutdown", "reload"})
 
 
 def _pid(req: dict[str, Any]) -> int | None:

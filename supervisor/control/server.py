@@ -15,6 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fleettop.supervisor.base import jsonlines
+from fleettop.supervisor.control.api import refusal
+from fleettop.supervisor.control.dispatch import dispatch
+
 if TYPE_CHECKING:
     from fleettop.supervisor.core.supervisor import Supervisor
 
@@ -48,8 +52,6 @@ class ControlServer:
             self.path.unlink()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from fleettop.supervisor.control.dispatch import MUTATING
-
         try:
             while True:
                 try:
@@ -59,20 +61,16 @@ class ControlServer:
                     return
                 if not line:
                     return
-                try:
-                    req = json.loads(line)
-                    if not isinstance(req, dict):
-                        raise ValueError("a request is a JSON object")
-                except ValueError as exc:
-                    await _send(writer, {"ok": False, "error": f"bad request: {exc}"})
+                req = jsonlines.decode(line)
+                if req is None:
+                    await _send(writer, {"ok": False,
+                                         "error": "bad request: not a JSON object"})
                     continue
                 if req.get("cmd") == "events" and req.get("follow"):
                     await self._follow(writer, int(req.get("n", 20)))
                     return
-                if self.readonly and req.get("cmd") in MUTATING:
-                    await _send(writer, {"ok": False, "error": "read-only supervisor"})
-                    continue
-                await _send(writer, await self.sup.command(req))
+                await _send(writer, refusal(req, self.readonly, "read-only supervisor")
+                            or await dispatch(self.sup, req))
         except (ConnectionError, BrokenPipeError):
             return
         finally:
@@ -92,7 +90,7 @@ class ControlServer:
 
 
 async def _send(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
-    writer.write(json.dumps(obj, default=str).encode() + b"\n")
+    writer.write(jsonlines.encode(obj))
     await writer.drain()
 
 
@@ -103,7 +101,7 @@ class ControlError(Exception):
 def request(path: Path, req: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
     """Send one request to a running supervisor and return its reply (blocking)."""
     with _connect(path, timeout) as sock:
-        sock.sendall(json.dumps(req).encode() + b"\n")
+        sock.sendall(jsonlines.encode(req))
         buf = b""
         while not buf.endswith(b"\n"):
             chunk = sock.recv(65536)
@@ -115,7 +113,7 @@ def request(path: Path, req: dict[str, Any], timeout: float = 30.0) -> dict[str,
 
 def follow(path: Path, backlog: int = 20) -> Iterator[dict[str, Any]]:
     with _connect(path, None) as sock:
-        sock.sendall(json.dumps({"cmd": "events", "follow": True, "n": backlog}).encode() + b"\n")
+        sock.sendall(jsonlines.encode({"cmd": "events", "follow": True, "n": backlog}))
         for line in sock.makefile("rb"):
             yield json.loads(line)
 

@@ -930,12 +930,6 @@ class Supervisor:
                 snap.update(hook())
         return snap
 
-    async def command(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Every control request, from the socket, the UI or the web view, comes through here."""
-        from fleettop.supervisor.control.dispatch import dispatch
-
-        return await dispatch(self, req)
-
 
 async def _probe_once(probe: Any, pattern: re.Pattern[str] | None, rt: AgentRuntime) -> bool:
     if pattern is not None:

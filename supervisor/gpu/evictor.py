@@ -27,6 +27,8 @@ from datetime import time as dtime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fleettop.supervisor.base.files import atomic_write_json
+
 if TYPE_CHECKING:  # aiohttp loads with the first backend: the proxy only reads activity
     import aiohttp
 
@@ -105,9 +107,7 @@ class ActivityTracker:
             return
         data = {"pid": os.getpid(), "uses": {k: [u.in_flight, u.last_start, u.last_end]
                                              for k, u in self.uses.items()}}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.path)
+        atomic_write_json(self.path, data)
 
 
 def read_activity(path: str | os.PathLike[str]) -> dict[str, Use]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleettop.supervisor.base.files import atomic_write_json
 from fleettop.supervisor.config.gpu import GovernorSection
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -380,9 +381,7 @@ class Governor:
     def _save(self) -> None:
         if self.state_path is None:
             return
-        tmp = self.state_path.with_name(f".{self.state_path.name}.tmp")
-        tmp.write_text(json.dumps(self.state.to_json()))
-        os.replace(tmp, self.state_path)
+        atomic_write_json(self.state_path, self.state.to_json())
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()

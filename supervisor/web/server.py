@@ -34,10 +34,10 @@ import logging
 import secrets
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import WSMsgType, web
@@ -45,6 +45,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from fleettop.supervisor.config.serve import DEFAULT_HOST, DEFAULT_PORT, ServeSection, is_loopback
+from fleettop.supervisor.control.api import FleetClient
 
 log = logging.getLogger("fleettop.serve")
 
@@ -57,18 +58,6 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The classic text format: every Prometheus 2.x and 3.x scraper reads it."""
 PAGE_PATH = Path(__file__).with_name("page.html")
 
-
-class FleetClient(Protocol):
-    """The viewer interface, restated so serve depends on no more."""
-
-    readonly: bool
-
-    async def snapshot(self) -> dict[str, Any]: ...
-    async def command(self, req: dict[str, Any]) -> dict[str, Any]: ...
-    def events(self) -> AsyncIterator[dict[str, Any]]: ...
-
-
-# -- addresses ----------------------------------------------------------------------------
 
 def parse_serve_address(text: str | None, default_host: str = DEFAULT_HOST,
                         default_port: int = DEFAULT_PORT) -> tuple[str, int]:
