@@ -148,7 +148,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def main(trips: int, loop: str = "uvloop") -> dict:
-    from fleettop.supervisor.capabilities.proxy import ProxyLink
+    from fleettop.supervisor.capabilities.proxy import ProxyBreaker
     from fleettop.supervisor.config.fleet import parse_fleet
     from fleettop.supervisor.core.supervisor import Supervisor
 
@@ -164,14 +164,14 @@ async def main(trips: int, loop: str = "uvloop") -> dict:
     text = json.dumps(fleet)
     (tmp / "fleet.yaml").write_text(text)
     sup = Supervisor(parse_fleet(text, str(tmp / "fleet.yaml")))
-    link = ProxyLink(sup, sup.fleet.proxy, sup.fleet.breaker, sup.state_dir / "proxy")
-    link.register()
+    link = ProxyBreaker.for_fleet(sup)
+    sup.add(link)
     await link.start()
     events = sup.subscribe()
     await sup.start()
     lat_ms: list[float] = []
     detect_ms: list[float] = []  # upstream chunk sent → proxy trip decided
-    report_ms: list[float] = []  # → supervisor's ProxyLink has the report
+    report_ms: list[float] = []  # → the supervisor's ProxyBreaker has the report
     freeze_ms: list[float] = []  # → cgroup.events says frozen 1
     missed = resume_refused = 0
     observer = None

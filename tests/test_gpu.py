@@ -57,7 +57,7 @@ def test_real_nvml_sees_the_gpu_and_a_process_using_it():
 def test_each_gpu_lists_the_processes_on_it():
     from types import SimpleNamespace
 
-    from fleettop.supervisor.capabilities.assemble import _gpus_part
+    from fleettop.supervisor.capabilities.telemetry import TelemetryWatch
 
     gpu = FakeGpu(total=8 << 30, count=2)
     gpu.set_process_vram(100, 1 << 30, gpu=0)
@@ -65,7 +65,9 @@ def test_each_gpu_lists_the_processes_on_it():
     gpu.set_process_vram(300, 1 << 20, gpu=1)
     rt = SimpleNamespace(pid=200, pids=lambda: [200, 201])
     sup = SimpleNamespace(agents={"trainer": rt})
-    part = _gpus_part(sup, SimpleNamespace(gpu=gpu, gpu_snapshot=gpu.sample()))
+    watch = TelemetryWatch(sup, source=SimpleNamespace(source="procfs"), gpu=gpu)
+    watch.gpu_snapshot = gpu.sample()
+    part = watch.snapshot_part()
     on = {g["index"]: {p["pid"]: (p["agent"], p["used_bytes"]) for p in g["processes"]}
           for g in part["gpus"]}
     assert on == {0: {100: (None, 1 << 30)}, 1: {200: ("trainer", 3 << 30), 300: (None, 1 << 20)}}

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from fleettop.supervisor.capabilities.gpu_start import GpuLink
+from fleettop.supervisor.capabilities.gpu import GpuStartGate
 from fleettop.supervisor.config.fleet import parse_fleet
 from fleettop.supervisor.core.agent import AgentState
 from fleettop.supervisor.core.supervisor import Supervisor
@@ -26,7 +26,7 @@ def supervisor(tmp: Path, agents: dict, gpu: dict | None = None) -> Supervisor:
     text = json.dumps({"agents": agents, **({"gpu": gpu} if gpu else {})})
     (tmp / "fleet.yaml").write_text(text)
     sup = Supervisor(parse_fleet(text, str(tmp / "fleet.yaml")))
-    GpuLink.install(sup, sup.fleet.gpu)
+    GpuStartGate.install(sup, sup.fleet.gpu)
     return sup
 
 

@@ -341,7 +341,7 @@ def test_status_json_lists_queue_in_order(folder: Path) -> None:
 
 
 async def _gate_order(folder: Path, max_wait: float) -> list[str]:
-    from fleettop.supervisor.capabilities.gpu_start import GpuGate
+    from fleettop.supervisor.gpu.gate import GpuGate
 
     gate = GpuGate(folder, max_wait=max_wait)
     order: list[str] = []
@@ -378,7 +378,7 @@ async def test_proxy_gate_max_wait_stops_starvation(folder: Path) -> None:
 
 
 def test_pick_next_rule() -> None:
-    from fleettop.supervisor.capabilities.gpu_start import GateRequest, pick_next
+    from fleettop.supervisor.gpu.gate import GateRequest, pick_next
 
     loop = asyncio.new_event_loop()
     try:

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ["fleettop.supervisor.cli.main", "fleettop.supervisor.core.supervisor",
-        "fleettop.supervisor.cli.run", "fleettop.supervisor.capabilities.assemble",
+        "fleettop.supervisor.cli.run", "fleettop.supervisor.cli.assemble",
         "fleettop.supervisor.web.server", "fleettop.probes.sensors.source",
         "fleettop.probes.proxy.breaker", "fleettop.probes.proxy.wire",
         "fleettop.supervisor.cli.doctor"]
@@ -30,7 +30,7 @@ def test_core_module_does_not_import_textual(module: str) -> None:
 def test_headless_run_path_stays_light() -> None:
     """No numpy, aiohttp or mitmproxy in the supervisor unless a capability asks for it."""
     code = ("import sys, fleettop.supervisor.cli.main, fleettop.supervisor.cli.run, "
-            "fleettop.supervisor.capabilities.assemble, fleettop.supervisor.config.fleet; "
+            "fleettop.supervisor.cli.assemble, fleettop.supervisor.config.fleet; "
             "print([m for m in ('numpy', 'aiohttp', 'mitmproxy', 'textual') if m in sys.modules])")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.stdout.strip() == "[]", run.stdout + run.stderr

@@ -1,4 +1,4 @@
-"""The procfs fallback on real processes, and TelemetryLink driving a fake supervisor."""
+"""The procfs fallback on real processes, and TelemetryWatch driving a fake supervisor."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 from fleettop.probes.sensors.nvml import FakeGpu
 from fleettop.probes.sensors.procfs import ProcfsProbe, read_proc, tree_pids
 from fleettop.probes.sensors.source import AgentSample, TelemetrySource
-from fleettop.supervisor.capabilities.telemetry import TelemetryLink
+from fleettop.supervisor.capabilities.telemetry import TelemetryWatch
 from fleettop.supervisor.config.probes import LeakSection, ProbesSection
 
 MiB = 1 << 20
@@ -83,7 +83,7 @@ def test_forced_fallback_gives_the_same_fields():
     src.close()
 
 
-# -- TelemetryLink with a fake supervisor --------------------------------------------
+# -- TelemetryWatch with a fake supervisor --------------------------------------------
 
 @dataclass
 class FakeRuntime:
@@ -98,8 +98,6 @@ class FakeRuntime:
 class FakeSupervisor:
     def __init__(self, agents: dict[str, FakeRuntime]) -> None:
         self.agents = agents
-        self.status_hooks: list = []
-        self.components: dict[str, Any] = {}
         self.events: list[tuple[str, str | None, str, dict]] = []
         self.frozen: list[dict[str, Any]] = []
         self.froze = asyncio.Event()
@@ -150,22 +148,21 @@ async def test_link_publishes_fields_and_freezes_a_leak_near_its_limit():
         value="stopped"))})
     gpu = FakeGpu()
     gpu.set_process_vram(4242, 512 * MiB)
-    link = TelemetryLink(sup, ProbesSection(), LeakSection(policy="freeze"),
+    link = TelemetryWatch(sup, ProbesSection(), LeakSection(policy="freeze"),
                          source=ScriptedSource(), gpu=gpu)
-    link.sup.status_hooks.append(link.status)
     for t in range(0, 600):
         await link.tick(now=float(t))
         if sup.frozen:
             break
     await asyncio.sleep(0)
-    row = link.status("leaky")
+    row = link.agent_fields("leaky")
     assert row["source"] == "procfs" and row["vram_bytes"] == 512 * MiB
     assert row["rss_leak_slope_bytes_per_s"] > 0.5 * MiB
-    assert link.status("idle") == {}
+    assert link.agent_fields("idle") == {}
     assert sup.frozen and sup.frozen[0]["source"] == "leak"
     assert sup.frozen[0]["evidence"]["time_to_limit_s"] < 20 * 60
     assert any(k == "leak.critical" for k, *_ in sup.events)
-    assert sup.components["telemetry"]["gpu"] is True
+    assert link.component()["gpu"] is True
 
 
 @pytest.fixture
@@ -180,7 +177,7 @@ async def test_link_freezes_a_real_spinning_child_via_procfs(spinning_child):
     sup = FakeSupervisor({"spinner": FakeRuntime("spinner", spinning_child.pid)})
     # 30% of a core, not 95%: several people share this 2-core machine.
     probes = ProbesSection(interval=0.2, spin={"cpu_percent": 30, "duration": "1s"})
-    link = TelemetryLink(sup, probes, LeakSection(policy="off"),
+    link = TelemetryWatch(sup, probes, LeakSection(policy="off"),
                          source=TelemetrySource(prefer="procfs"), gpu=FakeGpu(count=0))
     await link.start()
     with contextlib.suppress(TimeoutError):

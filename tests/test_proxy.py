@@ -337,15 +337,12 @@ def test_ca_key_is_private(proxy):
 
 
 class FakeSupervisor:
-    """The CONTRACT's Supervisor surface that ProxyLink uses."""
+    """The Supervisor surface that ProxyBreaker uses."""
 
     def __init__(self) -> None:
-        self.env_hooks: list = []
-        self.status_hooks: list = []
         self.events: list[tuple[str, str | None, dict]] = []
         self.frozen: list[tuple[str, str, str, dict]] = []
         self.agents = {"looper2": object()}
-        self.queues: list = []
 
     def emit(self, kind, agent=None, reason="", **data):
         self.events.append((kind, agent, {"reason": reason, **data}))
@@ -356,33 +353,21 @@ class FakeSupervisor:
     async def stop_agent(self, name):
         pass
 
-    def subscribe(self):
-        import asyncio
-
-        q = asyncio.Queue()
-        self.queues.append(q)
-        return q
-
-    def unsubscribe(self, q):
-        self.queues.remove(q)
-
 
 async def test_proxy_link_env_freeze_and_release(tmp_path, upstream):
     import asyncio
     from types import SimpleNamespace
 
-    from fleettop.supervisor.capabilities.proxy import ProxyLink, proxy_env
-    from fleettop.supervisor.config.proxy import BreakerSection, ProxySection
-    from fleettop.supervisor.core.events import Event
+    from fleettop.probes.proxy.config import ProxyConfig
+    from fleettop.supervisor.capabilities.proxy import ProxyBreaker, proxy_env
+    from fleettop.supervisor.config.proxy import ProxySection
 
     sup = FakeSupervisor()
-    link = ProxyLink(sup, ProxySection(stats_interval=0.2), BreakerSection(), tmp_path)
-    link.register()
+    link = ProxyBreaker(sup, ProxyConfig(proxy=ProxySection(stats_interval=0.2)), tmp_path)
     await link.start()
     try:
         env = {"NO_PROXY": "localhost,127.0.0.1,example.com"}
-        for hook in sup.env_hooks:
-            hook(SimpleNamespace(name="looper2"), env)
+        link.agent_env(SimpleNamespace(name="looper2", proxy=True), env)
         assert env["HTTP_PROXY"] == env["https_proxy"] and "@127.0.0.1:" in env["HTTP_PROXY"]
         assert env["NO_PROXY"] == "example.com"
         bundle = await asyncio.to_thread(Path(env["SSL_CERT_FILE"]).read_text)
@@ -415,18 +400,17 @@ async def test_proxy_link_env_freeze_and_release(tmp_path, upstream):
         assert evidence["repeating_span"] and evidence["incident"]
         assert any(k == "breaker.trip" and a == "looper2" for k, a, _ in sup.events)
         assert await asyncio.to_thread(loop_request) == 429
-        for q in sup.queues:
-            q.put_nowait(Event("agent.resumed", "looper2", "user", {}, time.time()))
+        await link.before_resume("looper2")
         for _ in range(100):
             if any(k == "breaker.released" for k, _, _ in sup.events):
                 break
             await asyncio.sleep(0.05)
         assert any(k == "breaker.released" for k, _, _ in sup.events)
         for _ in range(40):
-            if sup.status_hooks[0]("looper2"):
+            if link.agent_fields("looper2"):
                 break
             await asyncio.sleep(0.05)
-        assert sup.status_hooks[0]("looper2")["proxy"]["trips"] == 1
+        assert link.agent_fields("looper2")["proxy"]["trips"] == 1
         assert link.component()["state"] == "running" and link.component()["port"] == link.port
     finally:
         await link.stop()
@@ -456,11 +440,11 @@ while True:
 
 async def test_repeated_trip_freeze_resume_cycles_do_not_stall(tmp_path, upstream):
     """Regression (bench/proxy_trip.py stalled after ~10 cycles): a real agent through the
-    real Supervisor + ProxyLink trips, is frozen and resumed again and again. Resuming waits
+    real Supervisor + ProxyBreaker trips, is frozen and resumed again and again. Resuming waits
     for `agent.frozen` (the supervisor's freeze is complete), and every resume is accepted."""
     import asyncio
 
-    from fleettop.supervisor.capabilities.proxy import ProxyLink
+    from fleettop.supervisor.capabilities.proxy import ProxyBreaker
     from fleettop.supervisor.config.fleet import parse_fleet
     from fleettop.supervisor.core.supervisor import Supervisor
 
@@ -469,8 +453,8 @@ async def test_repeated_trip_freeze_resume_cycles_do_not_stall(tmp_path, upstrea
     text = json.dumps(fleet)
     (tmp_path / "fleet.yaml").write_text(text)
     sup = Supervisor(parse_fleet(text, str(tmp_path / "fleet.yaml")))
-    link = ProxyLink(sup, sup.fleet.proxy, sup.fleet.breaker, tmp_path / "proxy")
-    link.register()
+    link = ProxyBreaker.for_fleet(sup)
+    sup.add(link)
     await link.start()
     events = sup.subscribe()
     await sup.start()
@@ -494,34 +478,32 @@ async def test_repeated_trip_freeze_resume_cycles_do_not_stall(tmp_path, upstrea
         await link.stop()
 
 
-async def test_release_survives_a_flooded_event_queue(tmp_path, upstream):
-    """ProxyLink's subscription must not lose `agent.resumed` when the supervisor emits a
-    burst of events before the link's task runs (bounded queues drop their oldest)."""
+async def test_a_resume_lifts_the_block_once_before_the_thaw(tmp_path):
+    """One `release` per resume, sent before the agent runs again (it once went twice: a
+    resume hook and an `agent.resumed` follower)."""
     import asyncio
 
-    from fleettop.supervisor.capabilities.proxy import ProxyLink
+    from fleettop.supervisor.capabilities.proxy import ProxyBreaker
     from fleettop.supervisor.config.fleet import parse_fleet
     from fleettop.supervisor.core.supervisor import Supervisor
 
-    text = json.dumps({"agents": {}})
+    text = json.dumps({"agents": {"sleeper": {"cmd": ["sleep", "60"], "restart": "no"}}})
     (tmp_path / "fleet.yaml").write_text(text)
-    sup = Supervisor(parse_fleet(text, str(tmp_path / "fleet.yaml")))
-    link = ProxyLink(sup, sup.fleet.proxy, sup.fleet.breaker, tmp_path / "proxy")
-    sent: list[dict] = []
-    link.send = sent.append  # type: ignore[method-assign]
-    link._spawn_task(link._follow_supervisor())
-    await asyncio.sleep(0)
-    sup.emit("agent.resumed", "early", "user")
-    for i in range(5000):  # no await: the link cannot drain in between
-        sup.emit("agent.state", "other", f"noise {i}")
-    sup.emit("agent.resumed", "late", "user")
-    for _ in range(100):
-        if len(sent) >= 2:
-            break
-        await asyncio.sleep(0.01)
-    assert {c["agent"] for c in sent if c["cmd"] == "release"} == {"early", "late"}
-    for task in list(link._tasks):
-        task.cancel()
+    sup = Supervisor(parse_fleet(text, str(tmp_path / "fleet.yaml")), use_cgroups=False)
+    link = ProxyBreaker.for_fleet(sup)
+    sent: list[tuple[str, str]] = []
+    link.send = lambda cmd: sent.append(  # type: ignore[method-assign]
+        (cmd["cmd"], sup.agents["sleeper"].state.value))
+    sup.add(link)
+    await sup.start()
+    try:
+        assert (await sup.freeze_agent("sleeper", "test"))["ok"]
+        sent.clear()
+        assert (await sup.resume_agent("sleeper", "test"))["ok"]
+        await asyncio.sleep(0)
+        assert sent == [("release", "frozen")]
+    finally:
+        await sup.shutdown()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs a writable cgroup v2")

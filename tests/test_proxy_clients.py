@@ -280,7 +280,7 @@ class TlsMock:
 
 
 class Proxy:
-    """proxy_main as ProxyLink runs it: JSON reports on stdout, commands on stdin."""
+    """proxy_main as ProxyProcess runs it: JSON reports on stdout, commands on stdin."""
 
     def __init__(self, state: Path, upstream_ca: Path) -> None:
         self.state = state

@@ -443,7 +443,7 @@ def test_reload_applies_new_agent_gpu_modes(make_proxy, mock, tmp_path):
         url = mock + "/v1/chat/completions"
         assert proxy.post("alice", url, chat("demo-chat", stream=False))[0] == 200
         raw = json.loads((tmp_path / "cfg.json").read_text())
-        raw["gpu"]["agents"] = {"alice": "shared"}  # as ProxyLink.reload writes it
+        raw["gpu"]["agents"] = {"alice": "shared"}  # as ProxyBreaker.after_reload writes it
         (tmp_path / "cfg.json").write_text(json.dumps(raw))
         proxy.proc.stdin.write(json.dumps({"cmd": "reload"}) + "\n")
         proxy.proc.stdin.flush()

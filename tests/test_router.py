@@ -107,7 +107,7 @@ def test_route_cli_explains_on_this_machine(tmp_path: Path) -> None:
         "  tiny: {backend: ollama, url: 'http://127.0.0.1:11434', device: cpu}\n"
         "  writer: {backend: ollama, url: 'http://127.0.0.1:11434', vram: 5GiB}\n"
         "routes:\n  write: [writer, tiny]\n")
-    code = ("import sys, argparse; from fleettop.supervisor.gpu import router; "
+    code = ("import sys, argparse; from fleettop.supervisor.cli import route as router; "
             "p = argparse.ArgumentParser(); router.add_parser(p.add_subparsers()); "
             "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
     env = {"FLEETTOP_STATE_DIR": str(tmp_path / "state"), "PATH": "/usr/bin:/bin"}

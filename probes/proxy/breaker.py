@@ -43,6 +43,7 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 
 from fleettop.probes.proxy import wire
+from fleettop.probes.proxy.config import ProxyConfig
 from fleettop.supervisor.base import jsonlines
 from fleettop.supervisor.base.files import atomic_write_json
 from fleettop.supervisor.config.proxy import (
@@ -144,20 +145,11 @@ class FleettopProxy:
 
     # --- options -------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
-        loader.add_option("fleettop_config", str, "",
-                          "JSON file: {proxy, breaker, agents: {name: breaker override},"
-                          " reverse_ports: {port: agent}}")
         loader.add_option("fleettop_tokens", str, "",
                           "JSON file {agent: token}; re-read when it changes")
         loader.add_option("fleettop_state", str, "", "state dir (incidents are written here)")
 
     def configure(self, updated: set[str]) -> None:
-        if "fleettop_config" in updated and ctx.options.fleettop_config:
-            try:
-                raw = json.loads(Path(ctx.options.fleettop_config).read_text())
-                self.apply_config(raw)
-            except (OSError, ValueError) as exc:
-                raise exceptions.OptionsError(f"fleettop_config: {exc}") from exc
         if "fleettop_tokens" in updated and ctx.options.fleettop_tokens:
             path = Path(ctx.options.fleettop_tokens)
             if not path.parent.is_dir():
@@ -166,13 +158,12 @@ class FleettopProxy:
         if "fleettop_state" in updated and ctx.options.fleettop_state:
             self.state_dir = Path(ctx.options.fleettop_state)
 
-    def apply_config(self, raw: dict[str, Any]) -> None:
-        """Validate and apply a config dict (also used by the `reload` command)."""
-        self.proxy = ProxySection.model_validate(raw.get("proxy") or {})
-        self.breaker = BreakerSection.model_validate(raw.get("breaker") or {})
-        self.overrides = {name: AgentBreakerSection.model_validate(o)
-                          for name, o in (raw.get("agents") or {}).items() if o}
-        self.reverse_ports = {int(p): a for p, a in (raw.get("reverse_ports") or {}).items()}
+    def apply_config(self, cfg: ProxyConfig) -> None:
+        """At start and on each `reload` (proxy/main.py reads the file, once for all addons)."""
+        self.proxy = cfg.proxy
+        self.breaker = cfg.breaker
+        self.overrides = dict(cfg.agents)
+        self.reverse_ports = dict(cfg.reverse_ports)
         self._prices = self.proxy.price_table()
         for name, agent in self.agents.items():
             agent.breaker = self.breaker.merged(self.overrides.get(name))
@@ -602,7 +593,7 @@ class FleettopProxy:
                 self.report(self.stats(agent))
 
     def command(self, cmd: dict[str, Any]) -> None:
-        """Commands from the supervisor: release, dump, reload, stats."""
+        """Commands from the supervisor: release, dump, stats (proxy/main.py does reload)."""
         kind = cmd.get("cmd")
         if kind == "release":
             ok = self.release(str(cmd.get("agent")))
@@ -612,12 +603,6 @@ class FleettopProxy:
         elif kind == "stats":
             for agent in list(self.agents.values()):
                 self.report(self.stats(agent))
-        elif kind == "reload":
-            try:
-                self.apply_config(json.loads(Path(ctx.options.fleettop_config).read_text()))
-                self.report({"event": "proxy.reply", "cmd": kind, "ok": True})
-            except Exception as exc:
-                self.report({"event": "proxy.reply", "cmd": kind, "ok": False, "error": str(exc)})
         else:
             self.report({"event": "proxy.reply", "cmd": kind, "ok": False,
                          "error": "unknown command"})

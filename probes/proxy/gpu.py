@@ -30,17 +30,16 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from mitmproxy import ctx, http
+from mitmproxy import http
 
-from fleettop.supervisor.capabilities.gpu_start import GateRequest, GpuGate
-from fleettop.supervisor.config.gpu import ModelsSection, RoutesSection
+from fleettop.probes.proxy.config import GpuConfig
 from fleettop.supervisor.gpu import router
 from fleettop.supervisor.gpu.evictor import ActivityTracker
+from fleettop.supervisor.gpu.gate import GateRequest, GpuGate
 from fleettop.supervisor.gpu.governor import read_state, shrink_request
 from fleettop.supervisor.gpu.lock import LockTimeout, status
 
@@ -91,39 +90,6 @@ class _Pass:
     waited: float = 0.0
 
 
-@dataclass
-class GpuConfig:
-    lock_dir: Path | None = None
-    lock_timeout: float = 600.0
-    batch_max_wait: float = 30.0
-    max_in_flight: int = 1
-    backends: list[str] = field(default_factory=list)
-    agents: dict[str, str] = field(default_factory=dict)
-    governor_state: Path | None = None
-    activity: Path | None = None
-    models: ModelsSection = field(default_factory=ModelsSection)
-    routes: RoutesSection = field(default_factory=RoutesSection)
-    hardware: dict[str, Any] | None = None
-    """Fixed hardware instead of detecting it (tests, or a box whose NVML lies)."""
-    stats_interval: float = 1.0
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> GpuConfig:
-        def path(key: str) -> Path | None:
-            return Path(raw[key]) if raw.get(key) else None
-
-        return cls(lock_dir=path("lock_dir"), lock_timeout=float(raw.get("lock_timeout", 600)),
-                   batch_max_wait=float(raw.get("batch_max_wait", 30)),
-                   max_in_flight=int(raw.get("max_in_flight", 1)),
-                   backends=[str(b) for b in raw.get("backends") or []],
-                   agents={str(k): str(v) for k, v in (raw.get("agents") or {}).items()},
-                   governor_state=path("governor_state"), activity=path("activity"),
-                   models=ModelsSection.model_validate(raw.get("models") or {}),
-                   routes=RoutesSection.model_validate(raw.get("routes") or {}),
-                   hardware=raw.get("hardware"),
-                   stats_interval=float(raw.get("stats_interval", 1.0)))
-
-
 class FleettopGpu:
     def __init__(self, report: Report | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -166,17 +132,10 @@ class FleettopGpu:
                 self.report(out)
 
     # --- config --------------------------------------------------------------------------
-    def configure(self, updated: set[str]) -> None:
-        if "fleettop_config" in updated and getattr(ctx.options, "fleettop_config", ""):
-            try:
-                raw = json.loads(Path(ctx.options.fleettop_config).read_text())
-            except (OSError, ValueError):
-                return  # FleettopProxy reports the same file's problem
-            self.apply_config(raw.get("gpu") or {})
-
-    def apply_config(self, raw: dict[str, Any]) -> None:
-        """Also on `reload`: a gate with requests queued or in flight is kept (new limits)."""
-        self.cfg = GpuConfig.from_json(raw)
+    def apply_config(self, cfg: GpuConfig) -> None:
+        """At start and on `reload`: a gate with requests queued or in flight is kept (new
+        limits)."""
+        self.cfg = cfg
         if self.tracker.path != self.cfg.activity:
             self.tracker = ActivityTracker(self.cfg.activity)
         for folder, gate in list(self.gates.items()):
@@ -479,13 +438,9 @@ class _NoGpu:
 
 
 def _open_nvml() -> Any:
-    import ctypes.util
+    from fleettop.probes.sensors.nvml import open_nvml
 
-    if ctypes.util.find_library("nvidia-ml") is None:
-        return None
-    from fleettop.supervisor.gpu.evictor import NvmlMemory
-
-    return NvmlMemory.open()
+    return open_nvml()
 
 
 def _json_body(flow: http.HTTPFlow) -> dict[str, Any] | None:

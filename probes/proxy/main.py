@@ -3,7 +3,7 @@
     python -m fleettop.probes.proxy.main --state-dir DIR --config CFG.json --tokens TOK.json \
         [--host 127.0.0.1] [--port 0]
 
-Protocol with the supervisor (`fleettop.supervisor.capabilities.proxy.ProxyLink`):
+Protocol with the supervisor (`fleettop.probes.proxy.process.ProxyProcess`):
 - stdout: one JSON object per line. `{"event": "proxy.ready", "port", "reverse": {agent: port},
   "ca_cert", "confdir", "event_loop", "merge_reads"}` once listening; then `proxy.stats` (per
   agent, every `proxy.stats_interval`), `breaker.trip` (agent, kind
@@ -13,8 +13,8 @@ Protocol with the supervisor (`fleettop.supervisor.capabilities.proxy.ProxyLink`
   `route.failed`, `governor.shrunk` (each with agent and reason). Nothing else is written to
   stdout (mitmproxy logs go to stderr).
 - stdin: one JSON command per line: `{"cmd": "release", "agent": A}`, `{"cmd": "dump",
-  "agent": A}`, `{"cmd": "stats"}`, `{"cmd": "reload"}` (re-read --config). EOF on stdin
-  (the supervisor went away) stops the proxy.
+  "agent": A}`, `{"cmd": "stats"}`, `{"cmd": "reload"}` (re-read --config, for both addons).
+  EOF on stdin (the supervisor went away) stops the proxy.
 The CA lives in `<state-dir>/mitmproxy` (mitmproxy's confdir); its key files are made 0600.
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fleettop.probes.proxy.breaker import FleettopProxy, stdin_commands
+from fleettop.probes.proxy.config import ProxyConfig
 from fleettop.probes.proxy.gpu import FleettopGpu
 from fleettop.probes.proxy.relay import merge_reads, merge_reads_on, new_event_loop
 from fleettop.supervisor.base.jsonlines import LineWriter
@@ -42,16 +42,32 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-class _Both:
-    """Supervisor commands go to the breaker's addon; `reload` reaches the GPU addon too."""
+class _Commands:
+    """Supervisor commands: `reload` re-reads the config file (once, for both addons);
+    everything else is the breaker addon's."""
 
-    def __init__(self, addon: FleettopProxy, gpu: FleettopGpu) -> None:
-        self.addon, self.gpu = addon, gpu
+    def __init__(self, path: Path | None, addon: FleettopProxy, gpu: FleettopGpu,
+                 reverse_ports: dict[int, str], out: LineWriter) -> None:
+        self.path, self.addon, self.gpu = path, addon, gpu
+        self.reverse_ports, self.out = reverse_ports, out
 
     def command(self, cmd: dict[str, Any]) -> None:
-        if cmd.get("cmd") == "reload":
-            self.gpu.configure({"fleettop_config"})
-        self.addon.command(cmd)
+        if cmd.get("cmd") != "reload":
+            self.addon.command(cmd)
+            return
+        try:
+            cfg = _read_config(self.path, self.reverse_ports)
+            self.addon.apply_config(cfg)
+            self.gpu.apply_config(cfg.gpu)
+            self.out({"event": "proxy.reply", "cmd": "reload", "ok": True})
+        except (OSError, ValueError) as exc:
+            self.out({"event": "proxy.reply", "cmd": "reload", "ok": False, "error": str(exc)})
+
+
+def _read_config(path: Path | None, reverse_ports: dict[int, str]) -> ProxyConfig:
+    cfg = ProxyConfig.read(path) if path is not None else ProxyConfig()
+    # The listeners are bound once, at start: their ports stay what this process chose.
+    return cfg.model_copy(update={"reverse_ports": dict(reverse_ports)})
 
 
 def _protect_ca(confdir: Path) -> None:
@@ -60,7 +76,7 @@ def _protect_ca(confdir: Path) -> None:
             os.chmod(path, 0o600)
 
 
-async def _run(args: argparse.Namespace, out: LineWriter, cfg: dict[str, Any]) -> int:
+async def _run(args: argparse.Namespace, out: LineWriter, cfg: ProxyConfig) -> int:
     from mitmproxy.options import Options
     from mitmproxy.tools.dump import DumpMaster
 
@@ -68,20 +84,15 @@ async def _run(args: argparse.Namespace, out: LineWriter, cfg: dict[str, Any]) -
     confdir = state / "mitmproxy"
     host = args.host
     port = args.port or _free_port(host)
-    reverse: dict[str, dict[str, Any]] = cfg.get("reverse") or {}
     modes = [f"regular@{port}"]
-    reverse_ports: dict[str, str] = {}
+    reverse_ports: dict[int, str] = {}
     reverse_out: dict[str, int] = {}
-    for agent, spec in reverse.items():
-        rport = int(spec.get("port") or 0) or _free_port(host)
-        modes.append(f"reverse:{spec['upstream']}@{rport}")
-        reverse_ports[str(rport)] = agent
+    for agent, spec in cfg.reverse.items():
+        rport = spec.port or _free_port(host)
+        modes.append(f"reverse:{spec.upstream}@{rport}")
+        reverse_ports[rport] = agent
         reverse_out[agent] = rport
-    cfg["reverse_ports"] = reverse_ports
-    cfg_path = Path(args.config) if args.config else state / "proxy-config.json"
-    fd = os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(cfg, fh)
+    cfg = cfg.model_copy(update={"reverse_ports": reverse_ports})
 
     opts = Options(listen_host=host, mode=modes, confdir=str(confdir))
     master = DumpMaster(opts, with_termlog=False, with_dumper=False)
@@ -89,17 +100,18 @@ async def _run(args: argparse.Namespace, out: LineWriter, cfg: dict[str, Any]) -
     # Order matters: FleettopProxy authenticates and parses first; the GPU addon then routes,
     # waits for the GPU and caps (probes/proxy/gpu.py).
     gpu = FleettopGpu(report=out)
+    addon.apply_config(cfg)
+    gpu.apply_config(cfg.gpu)
     master.addons.add(addon, gpu)
-    proxy_cfg = cfg.get("proxy") or {}
     updates: dict[str, Any] = {
-        "fleettop_config": str(cfg_path), "fleettop_state": str(state),
+        "fleettop_state": str(state),
         "connection_strategy": "lazy", "stream_large_bodies": "1m",
     }
     if args.tokens:
         updates["fleettop_tokens"] = args.tokens
-    if proxy_cfg.get("upstream_ca"):
-        updates["ssl_verify_upstream_trusted_ca"] = proxy_cfg["upstream_ca"]
-    if proxy_cfg.get("ssl_insecure"):
+    if cfg.proxy.upstream_ca:
+        updates["ssl_verify_upstream_trusted_ca"] = cfg.proxy.upstream_ca
+    if cfg.proxy.ssl_insecure:
         updates["ssl_insecure"] = True
     master.options.update(**updates)
     _protect_ca(confdir)
@@ -108,7 +120,9 @@ async def _run(args: argparse.Namespace, out: LineWriter, cfg: dict[str, Any]) -
     run = loop.create_task(master.run())
 
     if not args.no_stdin:
-        stdin_commands(_Both(addon, gpu), loop, sys.stdin, on_eof=master.shutdown)
+        config_path = Path(args.config) if args.config else None
+        stdin_commands(_Commands(config_path, addon, gpu, reverse_ports, out), loop, sys.stdin,
+                       on_eof=master.shutdown)
 
     for _ in range(200):  # wait until the listeners are bound
         await asyncio.sleep(0.02)
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleettop-proxy", description=__doc__.split("\n")[0])
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("--config", default="",
-                        help="JSON {proxy, breaker, agents, reverse, gpu}")
+                        help="a ProxyConfig as JSON (probes/proxy/config.py)")
     parser.add_argument("--tokens", default="", help="JSON {agent: token}, re-read on change")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -146,10 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     confdir = Path(args.state_dir) / "mitmproxy"
     confdir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(confdir, 0o700)
-    cfg = json.loads(Path(args.config).read_text()) if args.config else {}
-    relay = cfg.get("proxy") or {}
-    merge_reads(bool(relay.get("merge_reads", True)))
-    kind = str(relay.get("event_loop") or "uvloop")
+    try:
+        cfg = _read_config(Path(args.config) if args.config else None, {})
+    except (OSError, ValueError) as exc:
+        print(f"fleettop-proxy: bad --config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    merge_reads(cfg.proxy.merge_reads)
+    kind = cfg.proxy.event_loop
     try:
         with asyncio.Runner(loop_factory=lambda: new_event_loop(kind)) as runner:
             return runner.run(_run(args, out, cfg))

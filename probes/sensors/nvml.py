@@ -1,4 +1,8 @@
-"""GPU memory and utilisation through NVML (nvidia-ml-py, module ``pynvml``).
+"""GPU memory and utilisation through NVML (nvidia-ml-py, module ``pynvml``): the one wrapper.
+
+The telemetry samples (`sample`), the VRAM watchdog, the governor and the router
+(`read_memory`, summed over devices) all read the GPU through ``NvmlGpu``; `open_nvml` gives
+one only where an NVIDIA driver is installed, without loading pynvml elsewhere.
 
 ``NvmlGpu`` reports "no GPU" cleanly where NVML can't start (no driver, no library,
 no device): ``available`` is False and ``why`` says what NVML said. ``FakeGpu`` sits
@@ -10,8 +14,11 @@ its process tree (a model server that owns the VRAM is its own agent).
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
+
+from fleettop.supervisor.gpu.evictor import GpuMemory
 
 
 @dataclass
@@ -123,6 +130,21 @@ class NvmlGpu:
                     on[p.pid] = on.get(p.pid, 0) + int(used)
         return snap
 
+    def read_memory(self) -> GpuMemory | None:
+        """Memory summed over devices (the watchdog's and the router's view); None if none."""
+        if not self.available:
+            return None
+        nv = self._nv
+        total = used = 0
+        for i in range(self.count):
+            try:
+                info = nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(i))
+            except nv.NVMLError:
+                continue
+            total += int(info.total)
+            used += int(info.used)
+        return GpuMemory(total, used) if total else None
+
     def close(self) -> None:
         if self.available:
             with contextlib.suppress(self._nv.NVMLError):
@@ -165,3 +187,12 @@ def _text(v: str | bytes) -> str:
 
 def open_gpu() -> GpuSource:
     return NvmlGpu()
+
+
+def open_nvml() -> NvmlGpu | None:
+    """An NVML handle where a driver is installed and a GPU answers; else None, and pynvml
+    is not even imported (a CPU box pays nothing)."""
+    if ctypes.util.find_library("nvidia-ml") is None:
+        return None
+    gpu = NvmlGpu()
+    return gpu if gpu.available else None

@@ -1,31 +1,36 @@
-"""The supervisor's side of the token proxy: agent env, the proxy process, its reports.
+"""The token proxy and its circuit breaker as a capability of the supervisor.
 
 - `proxy_env(...)` builds what an agent needs to go through the proxy: HTTP(S)_PROXY in both
   cases with a per-run token, a NO_PROXY that does not exempt loopback, and CA trust for the
   fleettop CA (a bundle of certifi's roots + the CA: SSL_CERT_FILE *replaces* the trust store).
-- `ProxyLink` starts `python -m fleettop.probes.proxy.main`, restarts it if it dies, registers
-  `env_hook`/`status_hook` on the supervisor, and turns the proxy's JSON-line reports into
-  `supervisor.emit(...)` and `supervisor.freeze_agent(..., source="breaker")` calls. Stats
-  (`proxy.stats`, every second per agent) are kept for `status_hook`, not emitted as events, so
-  they never flood the event ring. An `agent.resumed` event releases that agent's block.
+- `ProxyBreaker` writes the proxy's config once (`ProxyConfig`), runs the proxy process
+  (`fleettop.probes.proxy.process.ProxyProcess`), gives each agent its env, and turns the
+  proxy's reports into `supervisor.emit(...)` and `supervisor.freeze_agent(...,
+  source="breaker")` calls. Stats (`proxy.stats`, every second per agent) are kept for the
+  agent's row, not emitted as events, so they never flood the event ring. A resume lifts the
+  agent's block once, just before the thaw.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import certifi
 
-from fleettop.supervisor.base import jsonlines
+from fleettop.probes.proxy.config import ProxyConfig
+from fleettop.probes.proxy.process import ProxyProcess
 from fleettop.supervisor.base.files import atomic_write, atomic_write_json
-from fleettop.supervisor.config.proxy import BreakerSection, ProxySection
+from fleettop.supervisor.config.proxy import ProxySection
+from fleettop.supervisor.core.capability import Capability
+
+if TYPE_CHECKING:
+    from fleettop.supervisor.config.fleet import AgentSpec, Fleet
+    from fleettop.supervisor.core.supervisor import Supervisor
 
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "127.0.0.0/8", "0.0.0.0", "*"}
 _GPU_EVENTS = {"gpu.waited", "gpu.timeout", "route.changed", "route.failed", "governor.shrunk"}
@@ -58,34 +63,23 @@ def proxy_env(agent: str, token: str, port: int, *, host: str = "127.0.0.1",
     return env
 
 
-class ProxyLink:
+class ProxyBreaker(Capability):
     """Runs the proxy process for one supervisor and relays between them."""
 
-    def __init__(self, supervisor: Any, proxy: ProxySection, breaker: BreakerSection,
-                 state_dir: Path, agent_breakers: dict[str, Any] | None = None,
-                 python: str = sys.executable, gpu: dict[str, Any] | None = None) -> None:
+    name = "proxy"
+
+    def __init__(self, supervisor: Supervisor, config: ProxyConfig, state_dir: Path,
+                 python: str = sys.executable) -> None:
         self.sup = supervisor
-        self.proxy = proxy
-        self.breaker = breaker
+        self.config = config
         self.state_dir = Path(state_dir)
-        self.agent_breakers = {k: v for k, v in (agent_breakers or {}).items() if v is not None}
-        self.python = python
-        self.gpu = gpu or {}
-        """The GPU addon's config (probes/proxy/gpu.py): lock folder, GPU backends, agents'
-        gpu modes, governor state and activity files, models and routes."""
         self.gpu_state: dict[str, Any] = {}
         self.tokens: dict[str, str] = {}
         self.stats: dict[str, dict[str, Any]] = {}
-        self.port: int | None = None
         self.reverse_ports: dict[str, int] = {}
         self.ca_cert: Path | None = None
         self.bundle: Path | None = None
-        self.restarts = 0
-        self._proc: asyncio.subprocess.Process | None = None
-        self._ready: asyncio.Future[dict[str, Any]] | None = None
         self.relay = ""  # how the running proxy relays (proxy.ready)
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._stopping = False
         self.texts: dict[str, str] = {}
         self.requests: dict[str, list[Any]] = {}
         self._chars: dict[str, int] = {}
@@ -93,30 +87,53 @@ class ProxyLink:
         self._last_out: dict[str, tuple[float, float]] = {}
         self.tokens_file = self.state_dir / "proxy-tokens.json"
         self.config_file = self.state_dir / "proxy-config.json"
+        self.process = ProxyProcess(
+            self.state_dir, self.config_file, self.tokens_file, host=config.proxy.host,
+            port=config.proxy.port, on_report=self.handle, on_notice=self._notice,
+            on_ready=self._on_ready, restart_backoff=config.proxy.restart_backoff,
+            python=python)
 
-    # --- wiring into the supervisor ------------------------------------------------------
-    def register(self) -> None:
-        self.sup.env_hooks.append(self.env_hook)
-        self.sup.status_hooks.append(self.status_hook)
-        # Lift the block before the thaw, so a resumed agent's next request isn't a 429.
-        resume_hooks = getattr(self.sup, "resume_hooks", None)
-        if resume_hooks is not None:
-            resume_hooks.append(self.release)
+    @classmethod
+    def for_fleet(cls, sup: Supervisor) -> ProxyBreaker:
+        return cls(sup, ProxyConfig.from_fleet(sup.fleet, sup.state_dir), sup.state_dir / "proxy")
 
-    def env_hook(self, spec: Any, env: dict[str, str]) -> None:
-        name = spec.name if hasattr(spec, "name") else str(spec)
-        if self.port is None or not getattr(spec, "proxy", True):
+    @property
+    def proxy(self) -> ProxySection:
+        return self.config.proxy
+
+    @property
+    def port(self) -> int | None:
+        return self.process.port
+
+    # --- the capability ------------------------------------------------------------------
+    def agent_env(self, spec: AgentSpec, env: dict[str, str]) -> None:
+        name = spec.name
+        if self.port is None or not spec.proxy:
             return
         token = secrets.token_hex(16)  # fresh per agent and run
         self.tokens[name] = token
-        self._write_private(self.tokens_file, self.tokens)
+        atomic_write_json(self.tokens_file, self.tokens, mode=0o600)
         env.update(proxy_env(name, token, self.port, host=self.proxy.host, bundle=self.bundle,
                              ca_cert=self.ca_cert, base_env=env))
         if name in self.reverse_ports:
             env["FLEETTOP_BASE_URL"] = f"http://{self.proxy.host}:{self.reverse_ports[name]}"
         self.release(name)  # a (re)started agent starts unblocked
 
-    def status_hook(self, name: str) -> dict[str, Any]:
+    async def before_resume(self, name: str) -> None:
+        # Lift the block before the thaw, so a resumed agent's next request isn't a 429.
+        self.release(name)
+
+    async def after_reload(self, fleet: Fleet) -> None:
+        """New per-agent settings after a fleet reload: rewrite the config, tell the proxy.
+        The fleet-wide `proxy:` and `breaker:` sections are read at start only."""
+        new = ProxyConfig.from_fleet(fleet, self.sup.state_dir)
+        self.config = new.model_copy(update={"proxy": self.config.proxy,
+                                             "breaker": self.config.breaker,
+                                             "reverse": self.config.reverse})
+        self.config.write(self.config_file)
+        self.send({"cmd": "reload"})
+
+    def agent_fields(self, name: str) -> dict[str, Any]:
         stats = self.stats.get(name)
         if not stats:
             return {}
@@ -130,6 +147,39 @@ class ProxyLink:
                    last_text=self.texts.get(name, ""),
                    last_requests=self.requests.get(name, []))
         return out
+
+    def component(self) -> dict[str, Any]:
+        """The proxy's row in the snapshot's `components` list."""
+        return {"state": "running" if self.process.alive else "stopped",
+                "pid": self.process.pid, "port": self.port,
+                "reverse": dict(self.reverse_ports), "restarts": self.process.restarts,
+                "relay": self.relay,
+                "blocked": sorted(a for a, s in self.stats.items() if s.get("blocked")),
+                "detail": f"{self.proxy.host}:{self.port} ({self.relay})",
+                **({"gpu": self.gpu_state} if self.gpu_state else {})}
+
+    async def start(self, ready_s: float = 30.0) -> dict[str, Any]:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.config.write(self.config_file)
+        atomic_write_json(self.tokens_file, self.tokens, mode=0o600)
+        return await self.process.start(ready_s)
+
+    async def stop(self) -> None:
+        await self.process.stop()
+
+    # --- the proxy's reports -------------------------------------------------------------
+    def _on_ready(self, ready: dict[str, Any]) -> None:
+        self.reverse_ports = {k: int(v) for k, v in (ready.get("reverse") or {}).items()}
+        self.ca_cert = Path(ready["ca_cert"])
+        relay = "one piece per read" if ready.get("merge_reads") else "chunk by chunk"
+        self.relay = f"{relay}, {ready.get('event_loop') or 'asyncio'}"
+        self.bundle = write_ca_bundle(self.ca_cert, self.state_dir / "ca-bundle.pem")
+        self.sup.emit("proxy.started",
+                      reason=f"proxy on {self.proxy.host}:{self.port} ({self.relay})",
+                      port=self.port, pid=ready.get("pid"), reverse=self.reverse_ports)
+
+    def _notice(self, kind: str, reason: str, data: dict[str, Any]) -> None:
+        self.sup.emit(kind, reason=reason, **data)
 
     def _remember(self, name: str, event: dict[str, Any]) -> None:
         """Rebuild each agent's last ~16 KiB of text from the 1 KiB tails in its reports."""
@@ -154,107 +204,10 @@ class ProxyLink:
             self._rates[name] = round(max(0.0, out - last[1]) / (now - last[0]), 1)
         self._last_out[name] = (now, out)
 
-    def component(self) -> dict[str, Any]:
-        """The proxy's row in the snapshot's `components` list."""
-        proc = self._proc
-        alive = proc is not None and proc.returncode is None
-        return {"name": "proxy", "state": "running" if alive else "stopped",
-                "pid": proc.pid if proc is not None else None, "port": self.port,
-                "reverse": dict(self.reverse_ports), "restarts": self.restarts,
-                "relay": self.relay,
-                "blocked": sorted(a for a, s in self.stats.items() if s.get("blocked")),
-                **({"gpu": self.gpu_state} if self.gpu_state else {})}
-
-    # --- process -------------------------------------------------------------------------
-    def reload(self, agent_breakers: dict[str, Any], gpu: dict[str, Any] | None) -> None:
-        """New per-agent settings after a fleet reload: rewrite the config, tell the proxy."""
-        self.agent_breakers = {k: v for k, v in agent_breakers.items() if v is not None}
-        if gpu is not None:
-            self.gpu = gpu
-        self._write_private(self.config_file, self._config())
-        self.send({"cmd": "reload"})
-
-    def _config(self) -> dict[str, Any]:
-        return {
-            "proxy": self.proxy.model_dump(mode="json"),
-            "breaker": self.breaker.model_dump(mode="json"),
-            "agents": {k: v.model_dump(mode="json", exclude_none=True)
-                       for k, v in self.agent_breakers.items()},
-            "reverse": {a: {"upstream": u, "port": (self.proxy.reverse_base_port + i
-                                                    if self.proxy.reverse_base_port else 0)}
-                        for i, (a, u) in enumerate(sorted(self.proxy.reverse.items()))},
-            "gpu": self.gpu,
-            # Known once the proxy is up (it picks the reverse ports); kept across a reload.
-            **({"reverse_ports": {str(p): a for a, p in self.reverse_ports.items()}}
-               if self.reverse_ports else {}),
-        }
-
-    async def start(self, ready_s: float = 30.0) -> dict[str, Any]:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._write_private(self.config_file, self._config())
-        self._write_private(self.tokens_file, self.tokens)
-        ready = await self._spawn(ready_s)
-        self._spawn_task(self._supervise())
-        self._spawn_task(self._follow_supervisor())
-        return ready
-
-    async def _spawn(self, ready_s: float) -> dict[str, Any]:
-        self._ready = asyncio.get_running_loop().create_future()
-        args = [self.python, "-m", "fleettop.probes.proxy.main", "--state-dir",
-                str(self.state_dir), "--config", str(self.config_file), "--tokens",
-                str(self.tokens_file), "--host", self.proxy.host,
-                "--port", str(self.port or self.proxy.port)]
-        self._proc = await asyncio.create_subprocess_exec(
-            *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, limit=16 * 1024 * 1024)
-        self._spawn_task(self._read(self._proc))
-        ready = await asyncio.wait_for(self._ready, ready_s)
-        self.port = int(ready["port"])
-        self.reverse_ports = {k: int(v) for k, v in (ready.get("reverse") or {}).items()}
-        self.ca_cert = Path(ready["ca_cert"])
-        relay = "one piece per read" if ready.get("merge_reads") else "chunk by chunk"
-        self.relay = f"{relay}, {ready.get('event_loop') or 'asyncio'}"
-        self.bundle = write_ca_bundle(self.ca_cert, self.state_dir / "ca-bundle.pem")
-        self.sup.emit("proxy.started",
-                      reason=f"proxy on {self.proxy.host}:{self.port} ({self.relay})",
-                      port=self.port, pid=ready.get("pid"), reverse=self.reverse_ports)
-        return ready
-
-    async def _supervise(self) -> None:
-        while not self._stopping:
-            proc = self._proc
-            if proc is None:
-                return
-            code = await proc.wait()
-            if self._stopping:
-                return
-            self.sup.emit("proxy.exited", reason=f"proxy exited with {code}; restarting",
-                          exit_code=code)
-            await asyncio.sleep(self.proxy.restart_backoff * min(2 ** self.restarts, 30))
-            self.restarts += 1
-            try:
-                await self._spawn(30.0)  # same port: agents' env stays valid
-            except (TimeoutError, OSError) as exc:
-                self.sup.emit("proxy.failed", reason=f"proxy restart failed: {exc}")
-
-    async def _read(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stdout is not None
-        while line := await proc.stdout.readline():
-            event = jsonlines.decode(line)
-            if event is None:
-                continue
-            try:
-                await self.handle(event)
-            except Exception as exc:  # a report must never kill the link
-                self.sup.emit("proxy.error", reason=f"cannot handle proxy report: {exc}")
-
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
         agent = event.get("agent")
-        if kind == "proxy.ready":
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_result(event)
-        elif kind in ("proxy.stats", "proxy.dump"):
+        if kind in ("proxy.stats", "proxy.dump"):
             self.stats[agent] = event
             self._remember(agent, event)
         elif kind == "breaker.trip":
@@ -276,7 +229,7 @@ class ProxyLink:
         self.sup.emit("breaker.trip", agent=name, reason=reason, trip_kind=event.get("kind"),
                       policy=policy, evidence=evidence, incident=event.get("incident"),
                       proxy_mono_ns=event.get("mono_ns"), link_mono_ns=time.monotonic_ns())
-        if name not in getattr(self.sup, "agents", {name: None}):
+        if name not in self.sup.agents:
             return
         try:
             if policy == "freeze":
@@ -289,60 +242,12 @@ class ProxyLink:
             # which the dump request (~0.1 ms) and its large reply would only delay.
             self.dump(name)
 
-    async def _follow_supervisor(self) -> None:
-        subscribe = getattr(self.sup, "subscribe", None)
-        if subscribe is None:
-            return
-        # Unbounded: Supervisor queues drop their oldest event when full, and a dropped
-        # `agent.resumed` would leave that agent blocked (429) after its resume. This task
-        # drains the queue at once, so it only grows while the event loop is starved.
-        try:
-            queue = subscribe(maxsize=0)
-        except TypeError:  # a supervisor without the maxsize parameter
-            queue = subscribe()
-        try:
-            while True:
-                ev = await queue.get()
-                if getattr(ev, "kind", None) == "agent.resumed" and ev.agent:
-                    self.release(ev.agent)
-        finally:
-            with contextlib.suppress(Exception):
-                self.sup.unsubscribe(queue)
-
     # --- commands ------------------------------------------------------------------------
     def send(self, cmd: dict[str, Any]) -> None:
-        proc = self._proc
-        if proc is None or proc.stdin is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            proc.stdin.write(jsonlines.encode(cmd))
+        self.process.send(cmd)
 
     def release(self, name: str) -> None:
         self.send({"cmd": "release", "agent": name})
 
     def dump(self, name: str) -> None:
         self.send({"cmd": "dump", "agent": name})
-
-    async def stop(self) -> None:
-        self._stopping = True
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
-            if proc.stdin is not None:
-                proc.stdin.close()  # EOF: the proxy shuts down cleanly
-            try:
-                await asyncio.wait_for(proc.wait(), 5)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        for task in list(self._tasks):
-            task.cancel()
-
-    # --- helpers -------------------------------------------------------------------------
-    def _spawn_task(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    @staticmethod
-    def _write_private(path: Path, data: Any) -> None:
-        atomic_write_json(path, data, mode=0o600)

@@ -1,8 +1,9 @@
-"""Connects per-agent telemetry (eBPF or procfs, plus NVML) to the supervisor.
+"""Per-agent telemetry (eBPF or procfs, plus NVML) as a capability of the supervisor.
 
-Watches each agent's root pid while it runs, publishes its figures through
-``supervisor.status_hooks``, feeds the leak and spin detectors, and acts through the
-one freeze path (``supervisor.freeze_agent``) when a policy says so. Probe reads run
+Watches each agent's root pid while it runs, publishes its figures in the agent's row of the
+snapshot (`agent_fields`) and the GPUs in the snapshot's `gpus`, feeds the leak and spin
+detectors, and acts through the one freeze path (``supervisor.freeze_agent``) when a policy
+says so. Probe reads run
 in a worker thread, so a slow /proc walk or NVML call never holds the event loop.
 """
 
@@ -14,13 +15,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleettop.probes.sensors.nvml import GpuSnapshot, GpuSource, NvmlGpu
 from fleettop.probes.sensors.source import AgentSample, TelemetrySource
 from fleettop.supervisor.config.probes import LeakSection, ProbesSection
+from fleettop.supervisor.core.capability import Capability
 from fleettop.supervisor.detect.leaks import LeakDetector, Trip
 from fleettop.supervisor.detect.spin import SpinDetector, SpinTrip
+
+if TYPE_CHECKING:
+    from fleettop.supervisor.core.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 WATCHED_STATES = ("running", "frozen")
@@ -44,11 +49,12 @@ def mem_available() -> int | None:
     return None
 
 
-class TelemetryLink:
-    """Per-agent telemetry for a Supervisor (see CONTRACT: agents, status_hooks, emit,
-    freeze_agent, components)."""
+class TelemetryWatch(Capability):
+    """Samples, leak and spin verdicts for a Supervisor's agents; acts through freeze_agent."""
 
-    def __init__(self, supervisor: Any, probes: ProbesSection | None = None,
+    name = "telemetry"
+
+    def __init__(self, supervisor: Supervisor, probes: ProbesSection | None = None,
                  leak: LeakSection | None = None, source: TelemetrySource | None = None,
                  gpu: GpuSource | None = None) -> None:
         self.sup = supervisor
@@ -62,6 +68,7 @@ class TelemetryLink:
         self._watches: dict[str, _AgentWatch] = {}
         self._task: asyncio.Task[None] | None = None
         self._acting: set[asyncio.Task[Any]] = set()
+        self._component: dict[str, Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -70,7 +77,6 @@ class TelemetryLink:
             await asyncio.to_thread(self.source.start)
         if self.gpu is None:
             self.gpu = await asyncio.to_thread(NvmlGpu)
-        self.sup.status_hooks.append(self.status)
         self._publish_component()
         self.sup.emit("telemetry.source", None, self.source.why or "eBPF probes loaded",
                       source=self.source.source, why=self.source.why,
@@ -83,8 +89,6 @@ class TelemetryLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        with contextlib.suppress(ValueError):
-            self.sup.status_hooks.remove(self.status)
         await asyncio.to_thread(self.source.close)
         if self.gpu is not None:
             self.gpu.close()
@@ -233,8 +237,8 @@ class TelemetryLink:
                               pid=ev.get("pid"), exit_code=code, signal=sig)
 
     # -- publishing ------------------------------------------------------------------
-    def status(self, name: str) -> dict[str, Any]:
-        """Extra per-agent fields for `ctl status` and the UI (a status hook)."""
+    def agent_fields(self, name: str) -> dict[str, Any]:
+        """Extra per-agent fields for `ctl status` and the UI."""
         w = self._watches.get(name)
         if w is None or not w.fields:
             return {}
@@ -247,12 +251,33 @@ class TelemetryLink:
                 out[generic] = out[specific]
         return out
 
+    def component(self) -> dict[str, Any] | None:
+        return self._component
+
+    def snapshot_part(self) -> dict[str, Any]:
+        """The probes' GPU sample in the snapshot's shape, with each process's agent named."""
+        gpu, snap = self.gpu, self.gpu_snapshot
+        if gpu is None or not snap.gpus:
+            return {"gpus": [], "gpu_reason": (gpu.why if gpu is not None else "")
+                    or "no GPU data yet"}
+        owner = {pid: name for name, rt in self.sup.agents.items() if rt.pid
+                 for pid in rt.pids()}
+
+        def procs(index: int) -> list[dict[str, Any]]:
+            on = snap.per_gpu.get(index)
+            if on is None and index == snap.gpus[0].index and not snap.per_gpu:
+                on = snap.process_vram  # a source that can't tell the cards apart
+            return [{"pid": pid, "agent": owner.get(pid), "used_bytes": used}
+                    for pid, used in (on or {}).items()]
+
+        return {"gpus": [{"index": g.index, "name": g.name, "used_bytes": g.mem_used,
+                          "total_bytes": g.mem_total, "util_percent": g.util_percent,
+                          "processes": procs(g.index)}
+                         for g in snap.gpus]}
+
     def _publish_component(self) -> None:
-        comps = getattr(self.sup, "components", None)
-        if comps is None:
-            return
         info = self.source.status()
-        comps["telemetry"] = {
+        self._component = {
             "source": info["source"], "why": info["why"],
             "loader_pid": info.get("loader_pid"),
             "loader_rss_bytes": info.get("loader_rss_bytes"),

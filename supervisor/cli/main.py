@@ -17,13 +17,13 @@ from fleettop.supervisor.config.fleet import Fleet, FleetError, load_fleet
 from fleettop.supervisor.control import server as control
 
 DEFAULT_FILE = "fleet.yaml"
-# Subcommands that live in their capability's module: each module's add_parser(subparsers)
+# Subcommands with a module of their own: each module's add_parser(subparsers)
 # adds its parser and sets `func` to its run(args) -> int.
 PLUGIN_MODULES = {
     "doctor": "fleettop.supervisor.cli.doctor",
     "lock": "fleettop.supervisor.cli.lock",
-    "route": "fleettop.supervisor.gpu.router",
-    "replay": "fleettop.supervisor.replay",
+    "route": "fleettop.supervisor.cli.route",
+    "replay": "fleettop.supervisor.cli.replay",
 }
 
 
@@ -204,9 +204,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _capabilities(args: argparse.Namespace) -> Any:
     """Wire the capabilities that are present into a fresh supervisor."""
-    from fleettop.supervisor.capabilities import assemble as wiring
+    from fleettop.supervisor.cli.assemble import setup_for
 
-    return wiring.setup_for(args)
+    return setup_for(args)
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -227,12 +227,12 @@ def cmd_ui(args: argparse.Namespace) -> int:
         except AlreadyRunning as exc2:
             print(f"fleettop: {exc2}", file=sys.stderr)
             return 1
-    from fleettop.supervisor.capabilities import assemble as wiring
+    from fleettop.supervisor.cli import ui
 
     if running_pid(file):
-        return wiring.attach_viewer(fleet, args)
+        return ui.attach_viewer(fleet, args)
     try:
-        return wiring.run_with_ui(fleet, args)
+        return ui.run_with_ui(fleet, args)
     except AlreadyRunning as exc:
         print(f"fleettop: {exc}", file=sys.stderr)
         return 1

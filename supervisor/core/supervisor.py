@@ -32,6 +32,7 @@ from fleettop.supervisor.base import paths
 from fleettop.supervisor.config.fleet import AgentSpec, Fleet
 from fleettop.supervisor.core import cgroups, proctree
 from fleettop.supervisor.core.agent import AgentRuntime, AgentState, backoff_delay
+from fleettop.supervisor.core.capability import Capability, SkipStart
 from fleettop.supervisor.core.events import Event
 from fleettop.supervisor.core.logs import AgentLog
 from fleettop.supervisor.core.reaper import Reaper
@@ -59,8 +60,6 @@ def _setpriv_usable() -> bool:
 
 
 SPAWN_VIA_SETPRIV = _setpriv_usable()
-EnvHook = Callable[[AgentSpec, dict[str, str]], None]
-StatusHook = Callable[[str], dict[str, Any]]
 
 
 class Supervisor:
@@ -74,21 +73,8 @@ class Supervisor:
         self.agents: dict[str, AgentRuntime] = {
             name: AgentRuntime(spec) for name, spec in fleet.agents.items()
         }
-        self.env_hooks: list[EnvHook] = []
-        self.status_hooks: list[StatusHook] = []
-        self.snapshot_hooks: list[Callable[[], dict[str, Any]]] = []
-        self.start_hooks: list[Callable[[AgentRuntime], Any]] = []
-        """Awaited (if coroutine) before each start; may raise SkipStart to skip this run."""
-        self.exit_hooks: list[Callable[[AgentRuntime], Any]] = []
-        self.components: dict[str, Any] = {}
-        """Parts of the fleet that are not agents (proxy, probes, server): a dict, or a
-        callable returning one, per name."""
-        self.resume_hooks: list[Callable[[str], Any]] = []
-        """Called (awaited if async) with the agent's name just before it is thawed."""
-        self.reload_hooks: list[Callable[[Fleet], Any]] = []
-        """Called (awaited if async) with the new fleet after a reload, before agents start."""
-        self.stop_hooks: list[Callable[[], Any]] = []
-        """Awaited after every agent has stopped (proxy, probes, servers shut down here)."""
+        self.capabilities: list[Capability] = []
+        """What plugs into this fleet (proxy, telemetry, GPU gate, web view), in order."""
         self.externals: dict[int, dict[str, Any]] = {}
         self.events: deque[Event] = deque(maxlen=2000)
         self._subscribers: list[asyncio.Queue[Event]] = []
@@ -111,6 +97,10 @@ class Supervisor:
         self.serve_token: str | None = None
 
     # ---- events -------------------------------------------------------------------------
+
+    def add(self, capability: Capability) -> None:
+        """Plug a capability in; it stops in reverse order of adding."""
+        self.capabilities.append(capability)
 
     def emit(self, kind: str, agent: str | None = None, reason: str = "", **data: Any) -> Event:
         event = Event(kind, agent, reason, data)
@@ -277,11 +267,9 @@ class Supervisor:
                         AgentState.STOPPING):
             return
         rt.stop_requested = False
-        for hook in self.start_hooks:
+        for cap in self.capabilities:
             try:
-                result = hook(rt)
-                if asyncio.iscoroutine(result):
-                    await result
+                await cap.before_start(rt)
             except SkipStart as skip:
                 self.emit("agent.skipped", rt.name, str(skip))
                 if rt.spec.schedule:
@@ -294,9 +282,9 @@ class Supervisor:
             self._spawn(rt)
         except Exception as exc:  # noqa: BLE001 - any spawn failure is reported, not raised
             rt.pid = None
-            for hook in self.exit_hooks:  # e.g. give back a GPU lock taken for this start
+            for cap in self.capabilities:  # e.g. give back a GPU lock taken for this start
                 with contextlib.suppress(Exception):
-                    hook(rt)
+                    cap.after_exit(rt)
             self._set_state(rt, AgentState.FAILED, f"cannot start: {exc}")
             return
         self._set_state(rt, AgentState.RUNNING, why, pid=rt.pid, run=rt.run_id)
@@ -335,8 +323,8 @@ class Supervisor:
         env["FLEETTOP_AGENT"] = rt.name
         env["FLEETTOP_FLEET"] = self.fleet_id
         env.setdefault("PYTHONUNBUFFERED", "1")
-        for hook in self.env_hooks:
-            hook(rt.spec, env)
+        for cap in self.capabilities:
+            cap.agent_env(rt.spec, env)
         return env
 
     def _argv(self, spec: AgentSpec) -> list[str]:
@@ -496,9 +484,9 @@ class Supervisor:
         if rt.log is not None:
             rt.log.note(f"pid {pid} ended: {desc} after {ran_for:.1f}s")
         waiter = self._exit_waiters.pop(rt.name, None)
-        for hook in self.exit_hooks:
+        for cap in self.capabilities:
             with contextlib.suppress(Exception):
-                hook(rt)
+                cap.after_exit(rt)
         self._after_exit(rt, code, ran_for, desc)
         if waiter:
             waiter.set()
@@ -665,11 +653,9 @@ class Supervisor:
         name = rt.name
         if rt.state is not AgentState.FROZEN:
             return {"ok": False, "error": f"{name} is {rt.state.value}, not frozen"}
-        for hook in self.resume_hooks:  # e.g. lift the proxy's block before the agent runs
+        for cap in self.capabilities:  # e.g. lift the proxy's block before the agent runs
             with contextlib.suppress(Exception):
-                result = hook(name)
-                if asyncio.iscoroutine(result):
-                    await result
+                await cap.before_resume(name)
         if rt.frozen_via == "cgroup" and rt.cgroup is not None:
             if not cgroups.thaw(rt.cgroup, timeout=0.002):
                 await self._await_frozen(rt.cgroup, 0)
@@ -778,13 +764,11 @@ class Supervisor:
             await self.stop_agent(name, reason="removed from the fleet file")
             self.agents.pop(name, None)
         self.fleet = fleet
-        for hook in self.reload_hooks:  # e.g. the proxy learns new agents' settings
+        for cap in self.capabilities:  # e.g. the proxy learns new agents' settings
             try:
-                result = hook(fleet)
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception as exc:  # noqa: BLE001 - a hook never stops a reload
-                self.emit("fleet.warning", None, f"reload hook failed: {exc}")
+                await cap.after_reload(fleet)
+            except Exception as exc:  # noqa: BLE001 - a capability never stops a reload
+                self.emit("fleet.warning", None, f"{cap.name} failed to reload: {exc}")
         later: list[str] = []
         for name in changed:
             rt = self.agents[name]
@@ -855,11 +839,9 @@ class Supervisor:
                     asyncio.get_running_loop().remove_reader(fd)
                     os.close(fd)
         self._pipes.clear()
-        for stop in reversed(self.stop_hooks):
+        for cap in reversed(self.capabilities):
             try:
-                result = stop()
-                if asyncio.iscoroutine(result):
-                    await asyncio.wait_for(result, 10.0)
+                await asyncio.wait_for(cap.stop(), 10.0)
             except Exception as exc:  # noqa: BLE001 - one stuck part must not keep the rest
                 self.emit("fleet.warning", None, f"a component did not stop cleanly: {exc!r}")
         if self.cgroup_tree is not None:
@@ -902,14 +884,23 @@ class Supervisor:
             "schedule": rt.spec.schedule, "cgroup": str(rt.cgroup) if rt.cgroup else None,
             "frozen_via": rt.frozen_via, "trip": rt.trip,
         }
-        for hook in self.status_hooks:
+        for cap in self.capabilities:
             with contextlib.suppress(Exception):
-                row.update(hook(rt.name))
+                row.update(cap.agent_fields(rt.name))
         if "cpu_percent" not in row:  # no telemetry source for it: walk procfs ourselves
             row.update(self._basic_stats(rt))
         if "pids" not in row:
             row["pids"] = rt.pids() if rt.pid is not None else []
         return row
+
+    def _components(self) -> list[dict[str, Any]]:
+        rows = []
+        for cap in self.capabilities:
+            with contextlib.suppress(Exception):
+                row = cap.component()
+                if row is not None:
+                    rows.append({"name": cap.name, **row})
+        return rows
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {
@@ -922,12 +913,11 @@ class Supervisor:
             "agents": [self.agent_status(rt) for rt in self.agents.values()],
             "external": [dict(v) for v in self.externals.values()],
             "events": [e.to_json() for e in list(self.events)[-200:]],
-            "components": [{"name": k, **(v() if callable(v) else v)}
-                           for k, v in self.components.items()],
+            "components": self._components(),
         }
-        for hook in self.snapshot_hooks:
+        for cap in self.capabilities:
             with contextlib.suppress(Exception):
-                snap.update(hook())
+                snap.update(cap.snapshot_part())
         return snap
 
 
@@ -969,8 +959,6 @@ def _check_executable(cmd: str, path: str, cwd: str | None) -> None:
         raise FileNotFoundError(f"{cmd}: command not found on PATH")
 
 
-class SkipStart(Exception):
-    """Raised by a start hook to skip this run (e.g. the GPU lock timed out)."""
 
 
 def _comm(pid: int) -> str:

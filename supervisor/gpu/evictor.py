@@ -422,33 +422,3 @@ class Evictor:
                 self.emit("gpu.watchdog_error", None, str(exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval)
-
-
-class NvmlMemory:
-    """GPU memory from NVML, summed over devices (until the probes' GPU source is wired)."""
-
-    def __init__(self, handles: list[Any]) -> None:
-        self.handles = handles
-
-    @classmethod
-    def open(cls) -> NvmlMemory | None:
-        """None when there is no NVIDIA driver or GPU."""
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            count = pynvml.nvmlDeviceGetCount()
-            return cls([pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]) \
-                if count else None
-        except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound and friends
-            return None
-
-    def read_memory(self) -> GpuMemory | None:
-        import pynvml
-
-        total = used = 0
-        for h in self.handles:
-            info = pynvml.nvmlDeviceGetMemoryInfo(h)
-            total += int(info.total)
-            used += int(info.used)
-        return GpuMemory(total, used) if total else None

@@ -133,6 +133,12 @@ def _own_start_time() -> int | None:
     return _own[1]
 
 
+def fleet_lock_folder(state_dir: str | os.PathLike[str], section: Any = None) -> Path:
+    """A fleet's lock queue: its `gpu.lock_dir`, else `<state dir>/gpu`."""
+    lock_dir = getattr(section, "lock_dir", None)
+    return Path(lock_dir).expanduser() if lock_dir else Path(state_dir) / "gpu"
+
+
 def default_folder() -> Path:
     """The fleet's queue when run by the supervisor, else one per user."""
     env = os.environ.get(ENV_LOCK_DIR)

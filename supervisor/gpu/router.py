@@ -13,10 +13,7 @@ choice)` rewrites the request's model, and `choice.url` is the upstream to send 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +85,7 @@ class NoRoute(LookupError):
         self.verdicts = verdicts
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / 2**30:.1f}GiB"
 
 
@@ -101,9 +98,9 @@ def verdict(name: str, entry: ModelEntry, route: Route, hw: Hardware, load: Load
             return "needs a GPU; none here"
         need = entry.vram or 0
         if need > hw.vram_total:
-            return f"needs {_gib(need)} of VRAM; the GPU has {_gib(hw.vram_total)}"
+            return f"needs {gib(need)} of VRAM; the GPU has {gib(hw.vram_total)}"
         if name not in load.loaded and need > hw.vram_free:
-            return f"needs {_gib(need)} of VRAM; {_gib(hw.vram_free)} free now"
+            return f"needs {gib(need)} of VRAM; {gib(hw.vram_free)} free now"
         if route.max_queue is not None and load.gpu_queue > route.max_queue:
             return f"GPU queue is {load.gpu_queue} (route allows {route.max_queue})"
     if route.min_context and entry.context and entry.context < route.min_context:
@@ -155,75 +152,13 @@ def apply_choice(body: dict[str, Any], choice: Choice) -> None:
 
 
 def detect_hardware(gpu: Any = None) -> Hardware:
-    """This machine: CPUs and RAM from psutil, VRAM from a GpuMemorySource (or NVML)."""
+    """This machine: CPUs and RAM from psutil, VRAM from a GpuMemorySource (none: no GPU)."""
     import psutil
 
     mem = None
-    if gpu is None:
-        from fleettop.supervisor.gpu.evictor import NvmlMemory
-
-        gpu = NvmlMemory.open()
     if gpu is not None:
         mem = gpu.read_memory()
     return Hardware(gpu=mem is not None and mem.total > 0,
                     vram_total=mem.total if mem else 0,
                     vram_free=(mem.total - mem.used) if mem else 0,
                     cpus=os.cpu_count() or 1, ram_total=psutil.virtual_memory().total)
-
-
-# --- `fleettop route` ----------------------------------------------------------------------
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("route", help="which model a task gets on this machine now, and why")
-    p.add_argument("task", help="task name from routes: (or a model name)")
-    p.add_argument("-f", "--file", default="fleet.yaml", help="fleet file (default fleet.yaml)")
-    p.add_argument("--json", action="store_true", help="one JSON object")
-    p.set_defaults(func=run)
-    return p
-
-
-def sections_of(fleet: Any) -> tuple[ModelsSection, RoutesSection]:
-    """The fleet's models:/routes:, whether config.py holds them typed or as raw mappings."""
-
-    def raw(section: Any) -> Any:
-        if isinstance(section, ModelsSection | RoutesSection):
-            return section.root
-        return getattr(section, "model_extra", None) or getattr(section, "root", None) or {}
-
-    models = fleet.models if isinstance(fleet.models, ModelsSection) else \
-        ModelsSection.model_validate(raw(fleet.models))
-    routes = fleet.routes if isinstance(fleet.routes, RoutesSection) else \
-        RoutesSection.model_validate(raw(fleet.routes))
-    return models, routes
-
-
-def run(args: argparse.Namespace) -> int:
-    from fleettop.supervisor.config.fleet import FleetError, load_fleet
-
-    try:
-        models, routes = sections_of(load_fleet(args.file))
-    except (FleetError, OSError, ValueError) as exc:
-        print(f"fleettop route: {exc}", file=sys.stderr)
-        return 2
-    hw = detect_hardware()
-    try:
-        choice = route(args.task, hw, models, routes)
-    except NoRoute as exc:
-        if args.json:
-            print(json.dumps({"task": args.task, "error": str(exc), "verdicts": [
-                {"candidate": c, "verdict": v} for c, v in exc.verdicts]}))
-        else:
-            print(f"fleettop route: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(choice.to_json() | {"hardware": {
-            "gpu": hw.gpu, "vram_total": hw.vram_total, "vram_free": hw.vram_free,
-            "cpus": hw.cpus, "ram_total": hw.ram_total}}))
-        return 0
-    where = f"GPU {_gib(hw.vram_free)} free of {_gib(hw.vram_total)}" if hw.gpu else "no GPU"
-    print(f"{args.task} → {choice.name} ({choice.model} at {choice.url}, {choice.entry.device})"
-          f" on this machine ({where}, {hw.cpus} CPUs)")
-    for cand, v in choice.verdicts:
-        print(f"  {cand}: {'chosen' if v == 'ok' else v}")
-    return 0

@@ -46,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from fleettop.supervisor.config.serve import DEFAULT_HOST, DEFAULT_PORT, ServeSection, is_loopback
 from fleettop.supervisor.control.api import FleetClient
+from fleettop.supervisor.core.capability import Capability
 
 log = logging.getLogger("fleettop.serve")
 
@@ -724,6 +725,21 @@ class MetricsServer:
                 self._conns.discard(conn)
             conn.task.cancel()
         return ws
+
+
+class WebView(Capability):
+    """The running server as a capability of the supervisor: its row, its stop."""
+
+    name = "serve"
+
+    def __init__(self, server: MetricsServer) -> None:
+        self.server = server
+
+    def component(self) -> dict[str, Any]:
+        return {"state": "running", "detail": self.server.url}
+
+    async def stop(self) -> None:
+        await self.server.stop()
 
 
 async def start_serving(client: FleetClient, section: ServeSection | None = None,

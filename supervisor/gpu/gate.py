@@ -1,12 +1,5 @@
-"""Glue: the GPU lock in the supervisor's start path, and at the proxy.
+"""The GPU gate inside the proxy: requests to a local-GPU backend wait for the GPU lock.
 
-Supervisor (`GpuLink.install(sup)`): an agent with `gpu: exclusive` takes the GPU lock before
-it starts (state `waiting` while queued) and gives it back when it exits — crash or kill
-included: the exit hook drops the ticket, and if fleettop itself dies the kernel frees the
-flock. A scheduled agent whose wait times out is skipped with a `lock.timeout` event ("skipped
-this run, will retry at the next schedule"); an always-on agent waits as long as it takes.
-
-Proxy (`GpuGate`): requests to a local-GPU backend wait for the lock on behalf of the agent.
 Requests for the model already loaded go first (batch by model), but none waits longer than
 `max_wait`; the model is only switched once nothing is in flight; the file lock is given back
 when the gate is idle, and after `max_wait` of holding when anyone else is queued for it.
@@ -22,108 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleettop.supervisor.gpu.lock import ENV_LOCK_DIR, GpuLock, LockTimeout, status
-
-# --- supervisor side -----------------------------------------------------------------------
-
-
-def lock_folder(state_dir: Path, section: Any = None) -> Path:
-    """The fleet's lock queue: `gpu.lock_dir`, else `<state dir>/gpu`."""
-    lock_dir = getattr(section, "lock_dir", None)
-    return Path(lock_dir).expanduser() if lock_dir else Path(state_dir) / "gpu"
-
-
-def proxy_gpu_config(fleet: Any, state_dir: Path) -> dict[str, Any]:
-    """What the proxy's GPU addon needs from the fleet file (see probes/proxy/gpu.py)."""
-    gpu = fleet.gpu
-    return {
-        "lock_dir": str(lock_folder(state_dir, gpu)), "lock_timeout": gpu.lock_timeout,
-        "batch_max_wait": gpu.batch_max_wait, "max_in_flight": gpu.max_in_flight,
-        "backends": [b.url for b in gpu.backends if b.url],
-        "agents": {name: spec.gpu for name, spec in fleet.agents.items()},
-        "governor_state": str(Path(state_dir) / "governor.json")
-        if fleet.governor.enabled else None,
-        "activity": str(Path(state_dir) / "gpu-activity.json"),
-        "models": fleet.models.model_dump(mode="json", exclude_none=True),
-        "routes": fleet.routes.model_dump(mode="json", exclude_none=True),
-    }
-
-
-class GpuLink:
-    def __init__(self, sup: Any, folder: Path, *, timeout: float = 600.0) -> None:
-        self.sup = sup
-        self.folder = Path(folder)
-        self.timeout = timeout
-        self.locks: dict[str, GpuLock] = {}
-
-    @classmethod
-    def install(cls, sup: Any, section: Any = None) -> GpuLink:
-        """Hook into a Supervisor; `section` is the fleet's `gpu:` (sections_gpu.GpuSection)."""
-        link = cls(sup, lock_folder(sup.state_dir, section),
-                   timeout=getattr(section, "lock_timeout", 600.0))
-        sup.start_hooks.append(link.before_start)
-        sup.exit_hooks.append(link.after_exit)
-        sup.env_hooks.append(link.env)
-        sup.status_hooks.append(link.agent_fields)
-        sup.snapshot_hooks.append(link.snapshot_part)
-        return link
-
-    def env(self, spec: Any, env: dict[str, str]) -> None:
-        env[ENV_LOCK_DIR] = str(self.folder)
-
-    async def before_start(self, rt: Any) -> None:
-        from fleettop.supervisor.core.agent import AgentState
-        from fleettop.supervisor.core.supervisor import SkipStart
-
-        if rt.spec.gpu != "exclusive" or rt.name in self.locks:
-            return
-        timeout = self.timeout if rt.spec.schedule else None
-        lock = GpuLock(self.folder, name=rt.name, model=None, timeout=timeout)
-        ahead = len(status(self.folder)["queue"]) + (1 if status(self.folder)["holder"] else 0)
-        self.sup._set_state(rt, AgentState.WAITING, f"waiting for the GPU lock ({ahead} ahead)")
-        self.sup.emit("lock.waiting", rt.name, "queued for the GPU lock", ahead=ahead,
-                      folder=str(self.folder))
-        try:
-            await lock.acquire_async()
-        except LockTimeout as exc:
-            self.sup.emit("lock.timeout", rt.name, "skipped this run, will retry at the next "
-                          "schedule", waited=round(exc.waited, 3), holder=exc.holder)
-            raise SkipStart(f"GPU lock not granted within {exc.waited:.0f}s") from None
-        if rt.stop_requested or rt.state is not AgentState.WAITING:
-            lock.release()
-            raise SkipStart("stopped while waiting for the GPU lock")
-        self.locks[rt.name] = lock
-        self.sup.emit("lock.acquired", rt.name, f"GPU lock after {lock.waited or 0:.1f}s",
-                      waited=round(lock.waited or 0.0, 3), seq=lock.ticket.seq if lock.ticket
-                      else None)
-
-    def after_exit(self, rt: Any) -> None:
-        self.release(rt.name, "agent exited")
-
-    def release(self, name: str, why: str) -> None:
-        lock = self.locks.pop(name, None)
-        if lock is None:
-            return
-        held = time.time() - (lock.acquired_at or time.time())
-        lock.release()
-        self.sup.emit("lock.released", name, why, held_s=round(held, 3))
-
-    def agent_fields(self, name: str) -> dict[str, Any]:
-        return {"gpu_lock": "held"} if name in self.locks else {}
-
-    def snapshot_part(self) -> dict[str, Any]:
-        st = status(self.folder)
-
-        def who(t: dict[str, Any]) -> dict[str, Any]:
-            return {**t, "agent": t.get("name")}
-
-        holder = st.get("holder")
-        return {"lock": {"holder": who(holder) if holder else None,
-                         "queue": [who(t) for t in st.get("queue", [])],
-                         "folder": st.get("folder")}}
-
-
-# --- proxy side ----------------------------------------------------------------------------
+from fleettop.supervisor.gpu.lock import GpuLock, LockTimeout, status
 
 
 @dataclass(slots=True)
