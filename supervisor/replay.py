@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # numpy, brotli and zstandard load on replay, not with every CLI command
     from fleettop.probes.proxy import wire
     from fleettop.supervisor.detect.budget import BudgetParams, BudgetTracker, Price
-    from fleettop.supervisor.detect.token_loop import LoopParams, Trip
+    from fleettop.supervisor.detect.token_loop import LoopParams
+    from fleettop.supervisor.detect.trip import Trip
 
 FORMATS = ("sse", "ndjson", "text", "requests", "incident", "memory")
 DELTA_CHARS = 32
@@ -262,7 +263,7 @@ def replay_requests(records: Iterable[tuple[float | None, dict[str, Any] | None]
     """Successive requests of one agent, in the addon's order: budget, then retry."""
     from fleettop.probes.proxy import wire
     from fleettop.supervisor.detect.budget import BudgetTracker, cost_of
-    from fleettop.supervisor.detect.token_loop import RetryDetector
+    from fleettop.supervisor.detect.retry_loop import RetryDetector
 
     budget = budget or BudgetTracker(params.budget)
     retry = RetryDetector(params.loop)

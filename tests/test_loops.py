@@ -9,16 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.detect.token_loop import (
-    LoopDetector,
-    LoopParams,
-    Normaliser,
-    RetryDetector,
-    hamming,
-    mask_volatile,
-    request_tail,
-    simhash_chars,
-)
+from fleettop.supervisor.detect.normalise import Normaliser
+from fleettop.supervisor.detect.retry_loop import RetryDetector, mask_volatile, request_tail
+from fleettop.supervisor.detect.simhash import hamming, simhash_chars
+from fleettop.supervisor.detect.token_loop import LoopDetector, LoopParams
 
 DATA = Path(__file__).parent / "data"
 

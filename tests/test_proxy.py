@@ -515,6 +515,7 @@ async def test_resume_during_an_unconfirmed_freeze_is_not_lost(tmp_path, monkeyp
 
     from fleettop.supervisor.config.fleet import parse_fleet
     from fleettop.supervisor.core import cgroups
+    from fleettop.supervisor.core import freeze as freeze_path
     from fleettop.supervisor.core.supervisor import Supervisor
 
     text = json.dumps({"agents": {"sleeper": {"cmd": ["sleep", "60"], "restart": "no"}}})
@@ -530,14 +531,14 @@ async def test_resume_during_an_unconfirmed_freeze_is_not_lost(tmp_path, monkeyp
             await asyncio.sleep(0.01)
         if rt.cgroup is None:
             pytest.skip("no cgroup for the agent")
-        real, confirm = cgroups.freeze, sup._await_frozen
+        real, confirm = cgroups.freeze, freeze_path.await_frozen
 
-        async def slow_confirm(cg, want):  # a kernel slower than freeze()'s 2 ms wait
+        async def slow_confirm(sup, cg, want):  # a kernel slower than freeze()'s 2 ms wait
             await asyncio.sleep(0.01)
-            return await confirm(cg, want)
+            return await confirm(sup, cg, want)
 
         monkeypatch.setattr(cgroups, "freeze", lambda cg, timeout=1.0: real(cg, 0) and False)
-        monkeypatch.setattr(sup, "_await_frozen", slow_confirm)
+        monkeypatch.setattr(freeze_path, "await_frozen", slow_confirm)
         freezing = asyncio.create_task(sup.freeze_agent("sleeper", "test", source="breaker"))
         await asyncio.sleep(0)  # freeze_agent is now awaiting; the kernel has frozen it
         await sup.resume_agent("sleeper", reason="test")

@@ -53,7 +53,9 @@ from fleettop.supervisor.config.proxy import (
 )
 from fleettop.supervisor.detect.budget import BudgetTracker, cost_of
 from fleettop.supervisor.detect.redact import redact_headers, redact_json, redact_text
-from fleettop.supervisor.detect.token_loop import LoopDetector, RetryDetector, Trip
+from fleettop.supervisor.detect.retry_loop import RetryDetector
+from fleettop.supervisor.detect.token_loop import LoopDetector
+from fleettop.supervisor.detect.trip import Trip
 
 log = logging.getLogger("fleettop.proxy")
 Report = Callable[[dict[str, Any]], None]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fleettop.supervisor.core.freeze import freeze_pid, resume_pid
+
 if TYPE_CHECKING:
     from fleettop.supervisor.core.supervisor import Supervisor
 
@@ -38,8 +40,8 @@ async def dispatch(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
                 if owner is not None and owner.pid == pid:
                     name = owner.name
                 else:
-                    return (sup.freeze_pid(pid, reason) if cmd == "freeze"
-                            else sup.resume_pid(pid, reason))
+                    return (freeze_pid(sup, pid, reason) if cmd == "freeze"
+                            else resume_pid(sup, pid, reason))
             if not name:
                 return {"ok": False, "error": f"{cmd} needs a name or a pid"}
             if cmd == "freeze":

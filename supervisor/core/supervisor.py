@@ -9,57 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import os
-import pwd
-import re
-import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from croniter import croniter
 
 from fleettop.supervisor.base import paths
-from fleettop.supervisor.config.fleet import AgentSpec, Fleet
-from fleettop.supervisor.core import cgroups, proctree
+from fleettop.supervisor.config.fleet import Fleet
+from fleettop.supervisor.core import cgroups, freeze, health, proctree, spawn
 from fleettop.supervisor.core.agent import AgentRuntime, AgentState, backoff_delay
 from fleettop.supervisor.core.capability import Capability, SkipStart
 from fleettop.supervisor.core.events import Event
-from fleettop.supervisor.core.logs import AgentLog
 from fleettop.supervisor.core.reaper import Reaper
-
-PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-# Joining the cgroup, dropping privileges and PR_SET_PDEATHSIG must happen between fork and
-# exec. A Python preexec_fn does that but forces fork() of the whole supervisor and runs
-# Python in the child (~7 ms a spawn); `sh` + util-linux `setpriv` do it after a vfork
-# (~1 ms), so 200 agents start in a fraction of the time. preexec_fn stays as the fallback.
-_SETPRIV = shutil.which("setpriv")
-# sh -c SCRIPT sh CGPROCS... -- CMD...: join each cgroup (writing 0 moves the writer), exec.
-_JOIN_CGROUPS = ('for f; do [ "$f" = -- ] && break; echo 0 > "$f" || exit 126; shift; done; '
-                 'shift; exec "$@"')
-
-
-def _setpriv_usable() -> bool:
-    if _SETPRIV is None or not os.path.exists("/bin/sh"):
-        return False
-    try:
-        out = subprocess.run([_SETPRIV, "--help"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "--pdeathsig" in out.stdout and "--init-groups" in out.stdout
-
-
-SPAWN_VIA_SETPRIV = _setpriv_usable()
+from fleettop.supervisor.core.snapshot import fleet_snapshot
 
 
 class Supervisor:
@@ -149,7 +116,7 @@ class Supervisor:
                   file=self.fleet.path, agents=len(self.agents), isolation=source)
         for level in self._levels():
             waits = {d for n in level for d in self.agents[n].spec.depends_on}
-            await self._dependencies_ready(sorted(waits))
+            await health.dependencies_ready(self, sorted(waits))
             starts = []
             for name in level:
                 rt = self.agents[name]
@@ -165,76 +132,6 @@ class Supervisor:
             if starts:
                 await asyncio.wait(starts, timeout=0)
                 await asyncio.sleep(0)
-
-    async def _dependencies_ready(self, names: list[str]) -> None:
-        """Wait for the readiness probes of these agents (those that have one)."""
-        for name in names:
-            rt = self.agents[name]
-            probe = rt.spec.ready
-            if probe is None or rt.ready.is_set() or rt.pid is None:
-                continue
-            try:
-                await asyncio.wait_for(rt.ready.wait(), probe.timeout)
-            except TimeoutError:
-                self.emit("agent.warning", name, f"not ready after {probe.timeout:g}s; "
-                          "starting its dependents anyway")
-
-    async def _watch_ready(self, rt: AgentRuntime, run_id: int) -> None:
-        probe = rt.spec.ready
-        assert probe is not None
-        pattern = re.compile(probe.log) if probe.log else None
-        t0 = time.monotonic()
-        while rt.run_id == run_id and rt.pid is not None:
-            if await _probe_once(probe, pattern, rt):
-                rt.ready.set()
-                self.emit("agent.ready", rt.name, f"ready after {time.monotonic() - t0:.2f}s",
-                          probe=probe.model_dump(exclude_none=True, exclude={"timeout"}))
-                return
-            await asyncio.sleep(0.05)
-
-    async def _watch_health(self, rt: AgentRuntime, run_id: int) -> None:
-        """Liveness for one run: `failures` failed checks in a row → restart."""
-        h = rt.spec.health
-        assert h is not None
-        await asyncio.sleep(h.start_after)
-        while not rt.ready.is_set():  # no point asking before it said it is up
-            if rt.run_id != run_id or rt.pid is None:
-                return
-            await asyncio.sleep(0.2)
-        failed = 0
-        while True:
-            await asyncio.sleep(h.interval)
-            if rt.run_id != run_id or rt.pid is None or self._closing:
-                return
-            # Frozen (it can't answer), stopping, or a freeze/resume under way (the cgroup may
-            # be frozen before the state says so): no verdict now.
-            if rt.state is not AgentState.RUNNING or rt.op_lock.locked():
-                failed = 0
-                continue
-            since = rt.since
-            try:
-                ok = await asyncio.wait_for(_probe_once(h, None, rt), h.timeout)
-            except TimeoutError:
-                ok = False
-            if (rt.run_id != run_id or rt.state is not AgentState.RUNNING
-                    or rt.since != since or rt.op_lock.locked()):
-                continue  # its state moved while we asked: the answer says nothing
-            target = h.tcp or h.http
-            if ok:
-                if failed:
-                    self.emit("agent.healthy", rt.name, f"{target} answers again after "
-                              f"{failed} failed check(s)")
-                failed = 0
-                continue
-            failed += 1
-            if failed < h.failures:
-                self.emit("agent.warning", rt.name, f"health check failed ({failed}/"
-                          f"{h.failures}): {target} did not answer", check=target)
-                continue
-            self.emit("agent.unhealthy", rt.name, f"{failed} health checks in a row failed "
-                      f"({target}); restarting", check=target, failures=failed)
-            await self.restart_agent(rt.name, why="restarted: health checks failed")
-            return
 
     def _levels(self) -> list[list[str]]:
         """Agents grouped so each group's dependencies are all in earlier groups."""
@@ -279,7 +176,7 @@ class Supervisor:
                 return
         self._set_state(rt, AgentState.STARTING, why)
         try:
-            self._spawn(rt)
+            spawn.spawn(self, rt)
         except Exception as exc:  # noqa: BLE001 - any spawn failure is reported, not raised
             rt.pid = None
             for cap in self.capabilities:  # e.g. give back a GPU lock taken for this start
@@ -292,147 +189,11 @@ class Supervisor:
         if rt.spec.ready is None:
             rt.ready.set()
         else:
-            self._spawn_task(self._watch_ready(rt, rt.run_id))
+            self._spawn_task(health.watch_ready(self, rt, rt.run_id))
         if rt.spec.health is not None:
-            self._spawn_task(self._watch_health(rt, rt.run_id))
+            self._spawn_task(health.watch_health(self, rt, rt.run_id))
         if rt.spec.schedule:
             self._schedule_next(rt)  # the next slot is watched even while this run goes on
-
-    def _resolve_user(self, spec: AgentSpec) -> tuple[pwd.struct_passwd | None, str]:
-        """Which user an agent runs as, and a warning when that is root by default."""
-        if os.geteuid() != 0:
-            if spec.user and spec.user != pwd.getpwuid(os.geteuid()).pw_name:
-                raise PermissionError(f"user {spec.user!r} needs fleettop to run as root")
-            return None, ""
-        name = spec.user or os.environ.get("SUDO_USER")
-        if not name and self.fleet.path:
-            with contextlib.suppress(OSError, KeyError):
-                owner = pwd.getpwuid(Path(self.fleet.path).stat().st_uid)
-                if owner.pw_uid != 0:
-                    name = owner.pw_name
-        if not name:
-            return None, "runs as root: no `user:`, no sudo invoker, fleet file owned by root"
-        entry = pwd.getpwnam(name)
-        return (None, "") if entry.pw_uid == 0 else (entry, "")
-
-    def _env(self, rt: AgentRuntime, user: pwd.struct_passwd | None) -> dict[str, str]:
-        env = dict(os.environ)
-        if user is not None:
-            env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
-        env.update(rt.spec.env)
-        env["FLEETTOP_AGENT"] = rt.name
-        env["FLEETTOP_FLEET"] = self.fleet_id
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        for cap in self.capabilities:
-            cap.agent_env(rt.spec, env)
-        return env
-
-    def _argv(self, spec: AgentSpec) -> list[str]:
-        argv = spec.argv()
-        # `fleettop` in a cmd means this fleettop, even when its venv isn't on PATH.
-        if argv and argv[0] == "fleettop":
-            own = Path(sys.executable).parent / "fleettop"
-            if own.exists():
-                argv[0] = str(own)
-        return argv
-
-    def _spawn(self, rt: AgentRuntime) -> None:
-        spec = rt.spec
-        user, warning = self._resolve_user(spec)
-        if warning and rt.run_id == 0:
-            self.emit("agent.warning", rt.name, warning)
-        if rt.log is None:
-            rt.log = AgentLog(self.log_dir / f"{rt.name}.log", spec.log.max_bytes,
-                              spec.log.backups, spec.log.tail_lines)
-        joins: list[str] = []
-        """cgroup.procs files the child writes itself into before exec."""
-        tree = self.cgroup_tree
-        if tree is not None:
-            rt.cgroup = tree.agent_dir(rt.name)
-            if cgroups.read_events(rt.cgroup).get("frozen"):
-                cgroups.thaw(rt.cgroup)
-            joins.append(str(rt.cgroup / "cgroup.procs"))
-            limit = spec.limits.memory
-            if limit is not None:
-                why = tree.set_memory_max(rt.cgroup, limit)
-                via = "memory.max (cgroup v2)"
-                if why:  # hybrid systems keep the memory controller in v1
-                    v1, why = tree.v1_memory_dir(rt.name, limit)
-                    if v1 is not None:
-                        joins.append(str(v1 / "cgroup.procs"))
-                        via = f"memory.limit_in_bytes (cgroup v1 {v1})"
-                if rt.run_id == 0:
-                    if why:
-                        self.emit("agent.warning", rt.name, f"limits.memory not enforced: {why}")
-                    else:
-                        self.emit("agent.limits", rt.name, f"memory limit {limit} bytes via {via}",
-                                  memory_bytes=limit)
-        elif spec.limits.memory is not None and rt.run_id == 0:
-            self.emit("agent.warning", rt.name,
-                      f"limits.memory not enforced: {self.cgroup_reason}")
-        env = self._env(rt, user)
-        cwd = spec.cwd or (str(Path(self.fleet.path).resolve().parent) if self.fleet.path
-                           else None)
-        uid = user.pw_uid if user else None
-        gid = user.pw_gid if user else None
-        groups = os.getgrouplist(user.pw_name, user.pw_gid) if user else None
-        parent = os.getpid()
-
-        def in_child() -> None:
-            # Runs between fork and exec. Order matters: join the cgroup while still root,
-            # then drop privileges, then PDEATHSIG (a credential change clears it).
-            for procs_file in joins:
-                fd = os.open(procs_file, os.O_WRONLY)
-                os.write(fd, b"0")
-                os.close(fd)
-            if uid is not None and gid is not None:
-                os.setgroups(groups or [])
-                os.setgid(gid)
-                os.setuid(uid)
-            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if os.getppid() != parent:
-                os._exit(1)
-
-        argv = self._argv(spec)
-        preexec: Callable[[], None] | None = in_child
-        if SPAWN_VIA_SETPRIV:
-            _check_executable(argv[0], env.get("PATH", os.defpath), cwd)
-            shim = [str(_SETPRIV), "--pdeathsig", "KILL"]
-            if uid is not None and gid is not None:
-                shim += ["--reuid", str(uid), "--regid", str(gid), "--init-groups"]
-            argv = [*shim, "--", *argv]
-            if joins:
-                argv = ["/bin/sh", "-c", _JOIN_CGROUPS, "sh", *joins, "--", *argv]
-            preexec = None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            popen = subprocess.Popen(
-                argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                stdout=out_w, stderr=err_w, start_new_session=True, preexec_fn=preexec,
-                close_fds=True,
-            )
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        rt.popen, rt.pid = popen, popen.pid
-        rt.run_id += 1
-        rt.exit_code = None
-        rt.started_at = time.time()
-        rt.frozen_via = None
-        rt.trip = None
-        if self.reaper:
-            self.reaper.track(popen.pid)
-        rt.log.note(f"started pid {popen.pid}: {' '.join(spec.argv())}")
-        loop = asyncio.get_running_loop()
-        for fd, stream in ((out_r, "out"), (err_r, "err")):
-            os.set_blocking(fd, False)
-            loop.add_reader(fd, self._on_output, rt, fd, stream)
-        self._pipes[rt.name] = [out_r, err_r]
-        pidfd = os.pidfd_open(popen.pid)
-        self._pidfds[rt.name] = pidfd
-        self._exit_waiters[rt.name] = asyncio.Event()
-        loop.add_reader(pidfd, self._on_exit, rt, popen.pid)
 
     def _on_output(self, rt: AgentRuntime, fd: int, stream: str) -> None:
         try:
@@ -590,106 +351,13 @@ class Supervisor:
         # Freeze and resume of one agent never interleave: a resume that arrives while a
         # freeze waits for the kernel's confirmation must run after it, not be refused.
         async with rt.op_lock:
-            return await self._freeze(rt, reason, source, evidence)
-
-    async def _freeze(self, rt: AgentRuntime, reason: str, source: str,
-                      evidence: dict[str, Any] | None) -> dict[str, Any]:
-        name = rt.name
-        if rt.state is AgentState.FROZEN:
-            return {"ok": True, "already": True, "state": rt.state.value}
-        if rt.state is not AgentState.RUNNING:
-            return {"ok": False, "error": f"{name} is {rt.state.value}, not running"}
-        t0 = time.perf_counter()
-        if rt.cgroup is not None:
-            await self._joined(rt)
-            frozen = cgroups.freeze(rt.cgroup, timeout=0.002)
-            if not frozen:
-                frozen = await self._await_frozen(rt.cgroup, 1)
-            via = "cgroup"
-        else:
-            assert rt.pid is not None
-            proctree.signal_tree(rt.pid, signal.SIGSTOP)
-            frozen, via = proctree.wait_stopped(proctree.tree_pids(rt.pid)), "signal"
-        latency_ms = (time.perf_counter() - t0) * 1000
-        rt.frozen_via = via
-        if evidence is not None or source not in ("user", "web"):
-            rt.trip = {"kind": source, "reason": reason, "evidence": evidence or {}}
-        self._set_state(rt, AgentState.FROZEN, reason, source=source, via=via)
-        self.emit("agent.frozen", name, reason, source=source, via=via, pids=rt.pids(),
-                  latency_ms=round(latency_ms, 3), confirmed=frozen,
-                  evidence=evidence or {})
-        return {"ok": True, "state": "frozen", "via": via, "confirmed": frozen,
-                "latency_ms": latency_ms}
-
-    async def _joined(self, rt: AgentRuntime) -> None:
-        """The spawn shim moves the child into its cgroup right after exec; a freeze asked
-        for in that first millisecond waits for it, or it would miss the agent."""
-        if time.time() - rt.started_at > 1.0:
-            # Long joined (the wait below gives up after 1 s anyway): walking the cgroup
-            # cost ~0.2 ms, up to 2 ms, before every freeze.
-            return
-        deadline = time.monotonic() + 1.0
-        # No event to await: the kernel file is the only signal.
-        while (rt.pid is not None  # noqa: ASYNC110
-               and rt.cgroup is not None and time.monotonic() < deadline
-               and rt.pid not in cgroups.procs(rt.cgroup)):
-            await asyncio.sleep(0.001)
-
-    async def _await_frozen(self, cg: Path, want: int) -> bool:
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            if cgroups.read_events(cg).get("frozen") == want:
-                return True
-            await asyncio.sleep(0.002)
-        return False
+            return await freeze.freeze(self, rt, reason, source, evidence)
 
     async def resume_agent(self, name: str, reason: str = "",
                            source: str = "user") -> dict[str, Any]:
         rt = self._agent(name)
         async with rt.op_lock:
-            return await self._resume(rt, reason, source)
-
-    async def _resume(self, rt: AgentRuntime, reason: str, source: str) -> dict[str, Any]:
-        name = rt.name
-        if rt.state is not AgentState.FROZEN:
-            return {"ok": False, "error": f"{name} is {rt.state.value}, not frozen"}
-        for cap in self.capabilities:  # e.g. lift the proxy's block before the agent runs
-            with contextlib.suppress(Exception):
-                await cap.before_resume(name)
-        if rt.frozen_via == "cgroup" and rt.cgroup is not None:
-            if not cgroups.thaw(rt.cgroup, timeout=0.002):
-                await self._await_frozen(rt.cgroup, 0)
-        elif rt.pid is not None:
-            proctree.signal_tree(rt.pid, signal.SIGCONT)
-        rt.frozen_via = None
-        self._set_state(rt, AgentState.RUNNING, reason or f"resumed by {source}",
-                        source=source)
-        self.emit("agent.resumed", name, reason or f"resumed by {source}", source=source)
-        return {"ok": True, "state": "running"}
-
-    def freeze_pid(self, pid: int, reason: str = "by user") -> dict[str, Any]:
-        """Freeze a process fleettop did not start (a notebook, a backend server): by signal."""
-        if not os.path.exists(f"/proc/{pid}"):
-            return {"ok": False, "error": f"no process {pid}"}
-        if pid in (os.getpid(), 1):
-            return {"ok": False, "error": f"refusing to freeze pid {pid}"}
-        n = proctree.signal_tree(pid, signal.SIGSTOP)
-        proctree.wait_stopped(proctree.tree_pids(pid))
-        comm = _comm(pid)
-        self.externals[pid] = {"pid": pid, "name": comm, "state": "frozen", "since": time.time()}
-        self.emit("pid.frozen", None, reason, pid=pid, comm=comm, processes=n)
-        return {"ok": True, "state": "frozen", "pid": pid, "processes": n}
-
-    def resume_pid(self, pid: int, reason: str = "by user") -> dict[str, Any]:
-        if not os.path.exists(f"/proc/{pid}"):
-            self.externals.pop(pid, None)
-            return {"ok": False, "error": f"no process {pid}"}
-        n = proctree.signal_tree(pid, signal.SIGCONT)
-        proctree.wait_stopped(proctree.tree_pids(pid), stopped=False)
-        self.externals.setdefault(pid, {"pid": pid, "name": _comm(pid)})
-        self.externals[pid].update(state="running", since=time.time())
-        self.emit("pid.resumed", None, reason, pid=pid, processes=n)
-        return {"ok": True, "state": "running", "pid": pid, "processes": n}
+            return await freeze.resume(self, rt, reason, source)
 
     # ---- stop ---------------------------------------------------------------------------
 
@@ -789,7 +457,7 @@ class Supervisor:
             elif rt.spec.schedule:
                 self._schedule_next(rt)
             else:
-                await self._dependencies_ready(sorted(rt.spec.depends_on))
+                await health.dependencies_ready(self, sorted(rt.spec.depends_on))
                 self._start_task(rt, "added to the fleet file")
         summary = {"added": added, "removed": removed, "changed": changed,
                    "frozen_apply_later": later, "needs_fleettop_restart": sections}
@@ -858,112 +526,6 @@ class Supervisor:
         except KeyError:
             raise KeyError(f"no agent named {name!r}") from None
 
-    def _basic_stats(self, rt: AgentRuntime) -> dict[str, Any]:
-        """CPU% and RSS of the whole tree from procfs, cached for a second."""
-        now = time.monotonic()
-        cached = self._stats_cache.get(rt.name)
-        if cached and now - cached[0] < 1.0:
-            return cached[1]
-        pids = rt.pids() if rt.pid is not None else []
-        ticks = proctree.cpu_ticks(pids) / os.sysconf("SC_CLK_TCK")
-        prev = self._cpu_prev.get(rt.name)
-        cpu = 0.0
-        if prev and now > prev[0] and ticks >= prev[1]:
-            cpu = 100.0 * (ticks - prev[1]) / (now - prev[0])
-        self._cpu_prev[rt.name] = (now, ticks)
-        stats = {"pids": pids, "cpu_percent": round(cpu, 1),
-                 "rss_bytes": proctree.rss_bytes(pids), "source": "procfs"}
-        self._stats_cache[rt.name] = (now, stats)
-        return stats
-
-    def agent_status(self, rt: AgentRuntime) -> dict[str, Any]:
-        row: dict[str, Any] = {
-            "name": rt.name, "state": rt.state.value, "reason": rt.reason, "pid": rt.pid,
-            "since": rt.since, "restarts": rt.restarts, "exit_code": rt.exit_code,
-            "next_run": rt.next_run, "priority": rt.spec.priority,
-            "schedule": rt.spec.schedule, "cgroup": str(rt.cgroup) if rt.cgroup else None,
-            "frozen_via": rt.frozen_via, "trip": rt.trip,
-        }
-        for cap in self.capabilities:
-            with contextlib.suppress(Exception):
-                row.update(cap.agent_fields(rt.name))
-        if "cpu_percent" not in row:  # no telemetry source for it: walk procfs ourselves
-            row.update(self._basic_stats(rt))
-        if "pids" not in row:
-            row["pids"] = rt.pids() if rt.pid is not None else []
-        return row
-
-    def _components(self) -> list[dict[str, Any]]:
-        rows = []
-        for cap in self.capabilities:
-            with contextlib.suppress(Exception):
-                row = cap.component()
-                if row is not None:
-                    rows.append({"name": cap.name, **row})
-        return rows
-
     def snapshot(self) -> dict[str, Any]:
-        snap: dict[str, Any] = {
-            "version": 1,
-            "fleet": {"file": self.fleet.path, "name": self.fleet.name or self.fleet_id,
-                      "started_at": self.started_at, "pid": os.getpid(),
-                      "cgroup_root": str(self.cgroup_tree.fleet_dir) if self.cgroup_tree
-                      else None, "isolation_reason": self.cgroup_reason,
-                      "state_dir": str(self.state_dir)},
-            "agents": [self.agent_status(rt) for rt in self.agents.values()],
-            "external": [dict(v) for v in self.externals.values()],
-            "events": [e.to_json() for e in list(self.events)[-200:]],
-            "components": self._components(),
-        }
-        for cap in self.capabilities:
-            with contextlib.suppress(Exception):
-                snap.update(cap.snapshot_part())
-        return snap
-
-
-async def _probe_once(probe: Any, pattern: re.Pattern[str] | None, rt: AgentRuntime) -> bool:
-    if pattern is not None:
-        return rt.log is not None and any(pattern.search(line) for line in rt.log.lines(200))
-    if probe.tcp:
-        host, _, port = probe.tcp.rpartition(":")
-        target = (host.strip("[]"), int(port))
-        request = None
-    else:
-        url = urlsplit(probe.http)
-        target = (url.hostname or "127.0.0.1", url.port or 80)
-        request = (f"GET {url.path or '/'}{'?' + url.query if url.query else ''} HTTP/1.0\r\n"
-                   f"Host: {url.netloc}\r\n\r\n").encode()
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), 1.0)
-    except (OSError, TimeoutError):
-        return False
-    try:
-        if request is None:
-            return True
-        writer.write(request)
-        await writer.drain()
-        return (await asyncio.wait_for(reader.read(5), 2.0)) == b"HTTP/"
-    except (OSError, TimeoutError):
-        return False
-    finally:
-        writer.close()
-
-
-def _check_executable(cmd: str, path: str, cwd: str | None) -> None:
-    """Fail a start up front, as exec would, when the command can't be run."""
-    if "/" in cmd:
-        full = os.path.join(cwd or ".", cmd)
-        if not os.access(full, os.X_OK) or os.path.isdir(full):
-            raise FileNotFoundError(f"{cmd}: not an executable file")
-    elif shutil.which(cmd, path=path) is None:
-        raise FileNotFoundError(f"{cmd}: command not found on PATH")
-
-
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as fh:
-            return fh.read().strip()
-    except OSError:
-        return "?"
+        """The whole fleet as plain dicts (core/snapshot.py)."""
+        return fleet_snapshot(self)

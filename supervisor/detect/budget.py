@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from fleettop.supervisor.detect.token_loop import Trip
+from fleettop.supervisor.detect.trip import Trip
 
 _BUCKET_S = 1.0
 

@@ -1,4 +1,4 @@
-"""Loop detectors: degenerate generation inside one response, retry loops across requests.
+"""Token loops: degenerate generation inside one response (retry loops: retry_loop.py).
 
 Pure state machines, no I/O. The proxy addon feeds them from its chunk callback, `fleettop
 replay` feeds them recorded traffic; both get the same verdicts for the same text, whatever the
@@ -17,30 +17,27 @@ Generation (`LoopDetector.feed(delta) -> Trip | None`), three tiers, any one tri
   B and C sit behind a repetition gate: a unit or window is fingerprinted only when one of its
   12-char anchors (one per 32 chars) occurs in the 4 KiB before it, which text that repeats
   nothing seldom does; the earlier ones it is compared with are fingerprinted then.
-Retry (`RetryDetector.feed(body) -> Trip | None`): only the newest content of each request (last
-messages) with UUIDs, timestamps, hex ids and counters masked; a request is a repeat of one of
-the last `retry_repeats // 2` when the program-written text is equal, the remaining numbers are
-the same (changing numbers are progress, e.g. polling) and the model's own text is within
-`retry_max_distance` bits; `retry_repeats` in a row trip.
 Defaults are tuned on tests/data (research D: 64-bit SimHash, legit structured text reaches 6-7).
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import re
-import zlib
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = [
-    "LoopParams", "Trip", "Normaliser", "LoopDetector", "RetryDetector", "hamming",
-    "simhash_chars", "simhash_features", "request_tail", "request_parts", "mask_volatile",
-]
+from fleettop.supervisor.detect.normalise import Normaliser
+from fleettop.supervisor.detect.simhash import (
+    fold_rows,
+    gram_hashes,
+    simhash_features,
+)
+from fleettop.supervisor.detect.trip import Trip
+
+__all__ = ["LoopParams", "LoopDetector"]
 
 
 @dataclass(frozen=True)
@@ -74,158 +71,6 @@ class LoopParams:
     retry_prompt_chars: int = 1024
     retry_fuzzy_chars: int = 64
     retry_max_lag: int | None = None  # None: retry_repeats // 2
-
-
-@dataclass
-class Trip:
-    """One breaker trip: what kind, a one-line reason and the evidence behind it."""
-
-    kind: str  # token_loop | retry_loop | budget | rate
-    reason: str
-    evidence: dict[str, Any] = field(default_factory=dict)
-    at_char: int | None = None
-    at_request: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "reason": self.reason, "evidence": self.evidence}
-        if self.at_char is not None:
-            out["at_char"] = self.at_char
-        if self.at_request is not None:
-            out["at_request"] = self.at_request
-        return out
-
-
-# --- SimHash -------------------------------------------------------------------------------
-
-_M = np.uint64(1000003)
-_SM1 = np.uint64(0x9E3779B97F4A7C15)
-_SM2 = np.uint64(0xBF58476D1CE4E5B9)
-_SM3 = np.uint64(0x94D049BB133111EB)
-
-
-def hamming(a: int, b: int) -> int:
-    return (a ^ b).bit_count()
-
-
-def _fold(hashes: np.ndarray) -> int:
-    """Sign of the per-bit vote over a set of 64-bit feature hashes → 64-bit fingerprint."""
-    n = int(hashes.size)
-    if n == 0:
-        return 0
-    bits = np.unpackbits(hashes.astype("<u8", copy=False).view(np.uint8))
-    if n < 256:
-        # Each bit is one byte here: summing the rows as 8 uint64 words adds 8 byte lanes at
-        # once, and no lane can carry while fewer than 256 rows are summed.
-        ones = bits.view(np.uint64).reshape(n, 8).sum(axis=0).view(np.uint8)
-    else:
-        ones = bits.reshape(n, 64).sum(axis=0, dtype=np.int64)
-    return int.from_bytes(np.packbits(ones > (n >> 1)).tobytes(), "big")
-
-
-def _distinct(hashes: np.ndarray) -> np.ndarray:
-    # Sort + neighbour compare: several times cheaper than np.unique's hash table for ~256.
-    s = np.sort(hashes)
-    keep = np.empty(s.size, dtype=bool)
-    keep[:1] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s[keep]
-
-
-def _fold_rows(grams: np.ndarray, starts: list[int], width: int) -> list[int]:
-    """`_fold(_distinct(grams[s : s + width]))` for each start, in one pass of numpy calls
-    (width < 256)."""
-    rows = grams[np.asarray(starts)[:, None] + np.arange(width)]
-    rows.sort(axis=1)
-    keep = np.ones(rows.shape, dtype=bool)
-    np.not_equal(rows[:, 1:], rows[:, :-1], out=keep[:, 1:])
-    n = keep.sum(axis=1)
-    seg = np.zeros(len(starts), dtype=np.intp)
-    np.cumsum(n[:-1], out=seg[1:])
-    # One bit per byte: 8 byte lanes per uint64 summed at once (as in _fold; width < 256).
-    lanes = np.unpackbits(rows[keep].astype("<u8", copy=False).view(np.uint8))
-    ones = np.add.reduceat(lanes.view(np.uint64).reshape(-1, 8), seg, axis=0).view(np.uint8)
-    packed = np.packbits(ones > (n >> 1)[:, None], axis=1)
-    return [int.from_bytes(row.tobytes(), "big") for row in packed]
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    # Array arithmetic wraps silently (only numpy scalars warn): no errstate, it costs µs.
-    z = z + _SM1
-    z = (z ^ (z >> np.uint64(30))) * _SM2
-    z = (z ^ (z >> np.uint64(27))) * _SM3
-    return z ^ (z >> np.uint64(31))
-
-
-def _gram_hashes(text: str, n: int = 5) -> np.ndarray:
-    """Mixed 64-bit hashes of every char n-gram of `text`, one per start position."""
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
-    if codes.size < n:
-        return np.empty(0, dtype=np.uint64)
-    h = codes[: codes.size - n + 1].copy()
-    for j in range(1, n):
-        h *= _M
-        h += codes[j : codes.size - n + 1 + j]
-    return _mix(h)
-
-
-def simhash_chars(text: str, n: int = 5) -> int:
-    """64-bit SimHash over the set of char n-grams (stable across processes)."""
-    if not text:
-        return 0
-    return _fold(_distinct(_gram_hashes(text, min(n, len(text)))))
-
-
-def _feature_hash(feature: str) -> int:
-    # Two CRC32s (C speed, stable across processes, unlike hash()) then a 64-bit mix.
-    data = feature.encode()
-    return zlib.crc32(data) | (zlib.crc32(data, 0x9E3779B9) << 32)
-
-
-def simhash_features(features: set[str]) -> int:
-    """64-bit SimHash over a set of string features (sets, not counts: research D §1.3)."""
-    raw = np.fromiter((_feature_hash(f) for f in features), dtype=np.uint64, count=len(features))
-    return _fold(_mix(raw))
-
-
-# --- normalisation -------------------------------------------------------------------------
-
-_NL_RUN = re.compile(r"\s*\n\s*")
-_SP_RUN = re.compile(r"[^\S\n]+")
-
-
-class Normaliser:
-    """Lowercase; a whitespace run becomes "\\n" if it holds a newline, else " ". Incremental:
-    a run split across deltas is held back until it ends, so the output never depends on where
-    the stream was cut."""
-
-    def __init__(self) -> None:
-        self._pending = ""
-        self._started = False
-
-    def feed(self, delta: str) -> str:
-        # Two C-speed substitutions, then only the delta's two ends need care. Each is skipped
-        # when it cannot change anything: no newline; no double space and no whitespace but " "
-        # (every other whitespace char is non-printable).
-        s = delta.lower()
-        if "\n" in s:
-            s = _SP_RUN.sub(" ", _NL_RUN.sub("\n", s))
-        elif "  " in s or not s.isprintable():
-            s = _SP_RUN.sub(" ", s)
-        if not s:
-            return ""
-        if s[0] in " \n":
-            self._pending = "\n" if (s[0] == "\n" or self._pending == "\n") else " "
-            s = s[1:]
-            if not s:
-                return ""
-        tail = ""
-        if s[-1] in " \n":
-            tail, s = s[-1], s[:-1]
-        if self._pending and self._started:
-            s = self._pending + s
-        self._started = True
-        self._pending = tail
-        return s
 
 
 # --- generation loops ----------------------------------------------------------------------
@@ -612,10 +457,10 @@ class LoopDetector:
         hi = max(ends) - 4  # 5-gram starts needed: [lo, hi)
         g_end = self._g_start + self._grams.size
         if lo < self._g_start or lo > g_end:
-            self._grams = _gram_hashes(self.buf[lo - self.base : hi + 4 - self.base])
+            self._grams = gram_hashes(self.buf[lo - self.base : hi + 4 - self.base])
             self._g_start = lo
         elif hi > g_end:
-            fresh = _gram_hashes(self.buf[g_end - self.base : hi + 4 - self.base])
+            fresh = gram_hashes(self.buf[g_end - self.base : hi + 4 - self.base])
             self._grams = np.concatenate((self._grams, fresh))
         drop = self._next_c - p.c_max_lag - 2 * p.c_window - p.c_stride - self._g_start
         if 0 < drop < lo - self._g_start:
@@ -623,181 +468,8 @@ class LoopDetector:
             self._g_start += drop
         for g in range(0, len(ends), _C_GROUP):
             group = ends[g : g + _C_GROUP]
-            fps = _fold_rows(self._grams, [e - p.c_window - self._g_start for e in group],
+            fps = fold_rows(self._grams, [e - p.c_window - self._g_start for e in group],
                              p.c_window - 4)
             self._w_fps.update(zip(group, fps, strict=True))
 
 
-# --- retry loops ---------------------------------------------------------------------------
-
-_MASKS = [
-    (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", re.I),
-     "<uuid>"),
-    (re.compile(r"\b\d{4}-\d{2}-\d{2}[t ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:z|[+-]\d{2}:?\d{2})?",
-                re.I), "<ts>"),
-    (re.compile(r"\b\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<ts>"),
-    (re.compile(r"\b(?:0x)?[0-9a-f]{16,}\b", re.I), "<hex>"),
-    (re.compile(r"\b(?=[\w-]*\d)(?=[\w-]*[a-z])[\w-]{16,}\b", re.I), "<id>"),
-    (re.compile(r"\b\d{10,}\b"), "<num>"),
-    (re.compile(r"\b(attempt|retry|retries|try|tries|iteration|iter|step|round|call|request|run|"
-                r"turn|loop|pass|#)\s*(?:no\.?\s*|#\s*)?\d+(?:\s*(?:/|of)\s*\d+)?", re.I),
-     r"\1 <n>"),
-]
-_NUMBER = re.compile(r"\d+(?:\.\d+)?")
-
-
-def mask_volatile(text: str) -> str:
-    """Mask UUIDs, timestamps, hex/opaque ids, epoch numbers and attempt counters."""
-    for pattern, repl in _MASKS:
-        text = pattern.sub(repl, text)
-    return text
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(_content_text(part) for part in content)
-    if isinstance(content, dict):
-        parts = [str(content["name"])] if content.get("name") else []
-        for key in ("text", "content", "output", "arguments", "input", "thinking"):
-            if key in content:
-                value = content[key]
-                parts.append(value if isinstance(value, str) else _content_text(value)
-                             if isinstance(value, list) else json.dumps(value, sort_keys=True))
-        if "function" in content:
-            parts.append(_content_text(content["function"]))
-        return " ".join(parts)
-    return str(content)
-
-
-_MODEL_ROLES = ("assistant", "model", "function_call", "reasoning")
-
-
-def request_parts(body: Any, messages: int = 2,
-                  prompt_chars: int = 1024) -> list[tuple[str, str]] | None:
-    """The newest content of an LLM request body as (role, text) pairs; "" role: a prompt."""
-    if not isinstance(body, dict):
-        return None
-    msgs = body.get("messages")
-    if not isinstance(msgs, list):
-        msgs = body.get("input") if isinstance(body.get("input"), list) else None
-    if isinstance(msgs, list) and msgs:
-        out = []
-        for msg in msgs[-messages:]:
-            if isinstance(msg, dict):
-                text = _content_text(msg.get("content"))
-                if msg.get("tool_calls"):
-                    text += " " + _content_text(msg["tool_calls"])
-                if not msg.get("content") and not msg.get("tool_calls"):
-                    text += " " + _content_text(msg)
-                out.append((str(msg.get("role") or msg.get("type") or ""), text))
-            else:
-                out.append(("", _content_text(msg)))
-        return out
-    for key in ("prompt", "input"):
-        value = body.get(key)
-        if isinstance(value, str):
-            return [("", value[-prompt_chars:])]
-        if isinstance(value, list) and value and isinstance(value[-1], str):
-            return [("", value[-1][-prompt_chars:])]
-    return None
-
-
-def request_tail(body: Any, messages: int = 2, prompt_chars: int = 1024) -> str | None:
-    """The newest content of an LLM request body (chat, responses, completions, generate)."""
-    parts = request_parts(body, messages, prompt_chars)
-    if parts is None:
-        return None
-    return "\n".join(f"{role}: {text}" if role else text for role, text in parts)
-
-
-@dataclass
-class _Seen:
-    index: int
-    exact: tuple[str, ...]
-    fuzzy: str
-    fp: int
-    numbers: tuple[str, ...]
-    text: str
-
-
-class RetryDetector:
-    """Retry loops across one agent's requests; feed it each request body (parsed JSON).
-
-    A retry re-sends the same new content. So the text the program wrote (user, tool, system
-    messages, prompts) must be equal once normalised and masked: templated work where a topic,
-    a file name or an id changes is progress. Only the model's own text (assistant messages,
-    `retry_fuzzy_chars` or longer) may differ, within `retry_max_distance` bits, since sampling
-    rephrases it. The match must lie within `retry_max_lag` (default `repeats // 2`) requests
-    back (capped by `retry_history`): a cycle counts once it comes round twice within
-    `retry_repeats` requests, so a worker cycling through a longer list of tasks is not a loop.
-    """
-
-    def __init__(self, params: LoopParams | None = None) -> None:
-        self.p = params or LoopParams()
-        self._seen: deque[_Seen] = deque(maxlen=self.p.retry_history)
-        self.requests = 0
-        self.streak = 0
-        self._evidence: list[dict[str, Any]] = []
-
-    def feed(self, body: Any) -> Trip | None:
-        p = self.p
-        parts = request_parts(body, p.retry_tail_messages, p.retry_prompt_chars)
-        index = self.requests
-        self.requests += 1
-        if parts is None:
-            return None
-        exact: list[str] = []
-        fuzzy: list[str] = []
-        for role, text in parts:
-            masked_part = mask_volatile(" ".join(text.lower().split()))
-            if role in _MODEL_ROLES and len(masked_part) >= p.retry_fuzzy_chars:
-                fuzzy.append(masked_part)
-                exact.append(role)
-            else:
-                exact.append(f"{role}: {masked_part}")
-        masked = "\n".join(exact + fuzzy)
-        fuzzy_text = "\n".join(fuzzy)
-        fp = simhash_chars(fuzzy_text) if fuzzy_text else 0
-        numbers = tuple(_NUMBER.findall(masked))
-        match: tuple[int, _Seen] | None = None
-        lag = p.retry_max_lag if p.retry_max_lag is not None else p.retry_repeats // 2
-        lag_limit = max(1, min(p.retry_history, lag))
-        recent = list(self._seen)[-lag_limit:]
-        key = tuple(exact)
-        for seen in recent:
-            if seen.exact != key or seen.numbers != numbers:
-                continue
-            d = 0 if seen.fuzzy == fuzzy_text else hamming(fp, seen.fp)
-            if d <= p.retry_max_distance and (match is None or d < match[0]):
-                match = (d, seen)
-        self._seen.append(_Seen(index, key, fuzzy_text, fp, numbers, masked[:512]))
-        if match is None:
-            self.streak = 0
-            self._evidence = []
-            return None
-        self.streak += 1
-        self._evidence.append({"request": index, "matches_request": match[1].index,
-                               "lag": index - match[1].index,
-                               "distance": match[0], "fingerprint": f"{fp:016x}"})
-        self._evidence = self._evidence[-p.retry_repeats:]
-        if self.streak + 1 < p.retry_repeats:
-            return None
-        trip = Trip(
-            "retry_loop",
-            f"{self.streak + 1} near-identical requests in a row",
-            {
-                "tier": "request_tail",
-                "repeats": self.streak + 1,
-                "max_distance": self.p.retry_max_distance,
-                "repeating_span": masked[:512],
-                "hits": list(self._evidence),
-            },
-            at_request=index,
-        )
-        self.streak = 0
-        self._evidence = []
-        return trip
