@@ -24,7 +24,8 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fleettop.supervisor.web.server import MetricsServer, render_metrics  # noqa: E402
+from fleettop.supervisor.web.metrics import render_metrics
+from fleettop.supervisor.web.server import MetricsServer
 from tests.fake_serve_fleet import FakeFleetClient  # noqa: E402
 
 VIEWERS = """

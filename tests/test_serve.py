@@ -26,9 +26,9 @@ from fleettop.supervisor.web.server import (
     MetricsServer,
     banner,
     parse_serve_address,
-    snapshot_delta,
     start_serving,
 )
+from fleettop.supervisor.web.snapshot import snapshot_delta
 from tests.fake_serve_fleet import FakeFleetClient
 
 REFRESH = 0.3
