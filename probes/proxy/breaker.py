@@ -7,35 +7,27 @@ Pinned to mitmproxy 11.0.2. Caveats, each tested in tests/test_proxy.py:
   or a generator: mitmproxy writes each piece it yields to the client before resuming it (its
   layers pass commands up one at a time), so work after the first `yield` runs once the chunk
   is on its way, still inside the callback. To a plain-TCP HTTP/1.1 client the callback writes
-  the chunk to the client's socket itself (`_direct_writer`, framed as mitmproxy would) and
-  returns `[]`: half of mitmproxy's per-chunk path comes after the callback.
+  the chunk to the client's socket itself (`stream_cut.direct_writer`, framed as mitmproxy
+  would) and returns `[]`: half of mitmproxy's per-chunk path comes after the callback.
 - `flow.kill()` does not stop a stream in flight (mitmproxy #4711). To abort we close the
-  client connection through the `proxyserver` addon's connection handler — internal API — and
-  mitmproxy then drops the upstream connection too.
+  client connection through the `proxyserver` addon's connection handler — internal API, in
+  stream_cut.py — and mitmproxy then drops the upstream connection too.
 - Agents authenticate as `http://AGENT:TOKEN@host:port` (Proxy-Authorization). We check the
   token against the token file ourselves instead of mitmproxy's `proxyauth`, because tokens
   change at every agent start and reverse listeners (one per agent) must not ask for auth.
-  The header is removed before the request goes upstream.
+  The header is removed before the request goes upstream (auth.py). Incidents: incidents.py.
 Reports are JSON lines handed to `report` (proxy_main writes them to stdout).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import json
 import logging
-import os
-import re
-import socket
-import struct
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,23 +35,24 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 
 from fleettop.probes.proxy import wire
+from fleettop.probes.proxy.auth import Tokens, auth_required
 from fleettop.probes.proxy.config import ProxyConfig
+from fleettop.probes.proxy.incidents import Incidents
+from fleettop.probes.proxy.state import AgentState, FlowState
+from fleettop.probes.proxy.stream_cut import close_client, direct_writer
 from fleettop.supervisor.base import jsonlines
-from fleettop.supervisor.base.files import atomic_write_json
 from fleettop.supervisor.config.proxy import (
     AgentBreakerSection,
     BreakerSection,
     ProxySection,
 )
-from fleettop.supervisor.detect.budget import BudgetTracker, cost_of
+from fleettop.supervisor.detect.budget import cost_of
 from fleettop.supervisor.detect.redact import redact_headers, redact_json, redact_text
 from fleettop.supervisor.detect.retry_loop import RetryDetector
-from fleettop.supervisor.detect.token_loop import LoopDetector
 from fleettop.supervisor.detect.trip import Trip
 
 log = logging.getLogger("fleettop.proxy")
 Report = Callable[[dict[str, Any]], None]
-_BASIC = re.compile(r"^\s*basic\s+(\S+)\s*$", re.I)
 # Chunks are parsed in batches of this many bytes, and the text they hold is booked in batches
 # of this many chars (ring, detector, budget): fixed costs per call are most of the cost of a
 # one-token event. A trip comes at most that much later (the batch is handled inline, by the
@@ -69,64 +62,6 @@ _DETECT_CHARS = 128
 _BOOK_TOKENS = 32  # book output tokens on the budget this many at a time (and at the end)
 
 
-@dataclass
-class AgentState:
-    name: str
-    breaker: BreakerSection
-    ring_bytes: int
-    keep_requests: int
-    text: deque[str] = field(default_factory=deque)
-    text_len: int = 0
-    text_total: int = 0
-    requests: deque[dict[str, Any]] = field(default_factory=deque)
-    blocked: Trip | None = None
-    last_model: str | None = None
-    active_streams: int = 0
-    trips: int = 0
-    passthrough: int = 0
-    errors: int = 0
-    reported_total: int = -1
-    loop_score: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.budget = BudgetTracker(self.breaker.budget_params())
-        self.retry = RetryDetector(self.breaker.loop_params())
-        self.requests = deque(maxlen=max(1, self.keep_requests))
-
-    def add_text(self, delta: str) -> None:
-        self.text.append(delta)
-        self.text_len += len(delta)
-        self.text_total += len(delta)
-        while self.text_len - len(self.text[0]) >= self.ring_bytes:
-            self.text_len -= len(self.text.popleft())
-
-    def ring(self) -> str:
-        return "".join(self.text)
-
-
-class _FlowState:
-    __slots__ = ("agent", "api", "parser", "detector", "body", "booked_in", "booked_out",
-                 "est_in", "chars_out", "aborted", "started", "pending", "pending_chars", "raw",
-                 "raw_bytes")
-
-    def __init__(self, agent: AgentState, api: str | None, body: dict[str, Any] | None) -> None:
-        self.agent = agent
-        self.api = api
-        self.body = body
-        self.parser: wire.ResponseParser | None = None
-        self.detector = LoopDetector(agent.breaker.loop_params())
-        self.booked_in = 0
-        self.booked_out = 0
-        self.est_in = wire.estimate_tokens(wire.request_text_chars(body)) if body else 0
-        self.chars_out = 0
-        self.aborted = False
-        self.started = time.monotonic()
-        self.pending: list[str] = []  # deltas not yet in the ring and the detector
-        self.pending_chars = 0
-        self.raw: list[bytes] = []  # chunks relayed but not parsed yet
-        self.raw_bytes = 0
-
-
 class FleettopProxy:
     def __init__(self, report: Report | None = None) -> None:
         self.report: Report = report or (lambda event: None)
@@ -134,16 +69,12 @@ class FleettopProxy:
         self.breaker = BreakerSection()
         self.overrides: dict[str, AgentBreakerSection] = {}
         self.reverse_ports: dict[int, str] = {}
-        self.state_dir: Path | None = None
         self.agents: dict[str, AgentState] = {}
-        self._tokens: dict[str, str] = {}
-        self._tokens_mtime = -1.0
+        self.auth = Tokens()
         self._authed: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._stats_task: asyncio.Task[None] | None = None
         self._prices = self.proxy.price_table()  # rebuilt on config, not per chunk
-        self._incident_stamp = ""
-        self._incidents: list[tuple[Path, dict[str, Any], str, list[dict[str, Any]]]] = []
-        self._incident_names: dict[str, int] = {}
+        self.incidents = Incidents()
 
     # --- options -------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
@@ -156,9 +87,9 @@ class FleettopProxy:
             path = Path(ctx.options.fleettop_tokens)
             if not path.parent.is_dir():
                 raise exceptions.OptionsError(f"fleettop_tokens: no directory {path.parent}")
-            self._tokens_mtime = -1.0
+            self.auth.point_at(str(path))
         if "fleettop_state" in updated and ctx.options.fleettop_state:
-            self.state_dir = Path(ctx.options.fleettop_state)
+            self.incidents.state_dir = Path(ctx.options.fleettop_state)
 
     def apply_config(self, cfg: ProxyConfig) -> None:
         """At start and on each `reload` (proxy/main.py reads the file, once for all addons)."""
@@ -178,7 +109,7 @@ class FleettopProxy:
     def done(self) -> None:
         if self._stats_task:
             self._stats_task.cancel()
-        self._write_incidents()  # those still waiting for their turn
+        self.incidents.write_pending()  # those still waiting for their turn
 
     # --- agents and auth -----------------------------------------------------------------
     def agent(self, name: str) -> AgentState:
@@ -189,34 +120,6 @@ class FleettopProxy:
             self.agents[name] = state
         return state
 
-    def _reload_tokens(self) -> None:
-        path = ctx.options.fleettop_tokens if ctx.options.fleettop_tokens else ""
-        if not path:
-            return
-        try:
-            mtime = os.stat(path).st_mtime_ns
-            if mtime == self._tokens_mtime:
-                return
-            self._tokens = {str(k): str(v) for k, v in json.loads(Path(path).read_text()).items()}
-            self._tokens_mtime = mtime
-        except (OSError, ValueError, AttributeError):
-            pass
-
-    def check_credentials(self, header: str) -> str | None:
-        m = _BASIC.match(header or "")
-        if not m:
-            return None
-        try:
-            import base64
-
-            user, _, token = base64.b64decode(m.group(1)).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
-            return None
-        self._reload_tokens()
-        expected = self._tokens.get(user)
-        if expected is None or not token or not _const_eq(expected, token):
-            return None
-        return user
 
     def _identify(self, flow: http.HTTPFlow) -> str | None:
         mode = flow.client_conn.proxy_mode
@@ -225,16 +128,16 @@ class FleettopProxy:
             return self.reverse_ports.get(port) if port is not None else None
         if flow.client_conn in self._authed:
             return self._authed[flow.client_conn]
-        user = self.check_credentials(flow.request.headers.get("Proxy-Authorization", ""))
+        user = self.auth.check(flow.request.headers.get("Proxy-Authorization", ""))
         if user is not None:
             del flow.request.headers["Proxy-Authorization"]
         return user
 
     # --- hooks ---------------------------------------------------------------------------
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        user = self.check_credentials(flow.request.headers.get("Proxy-Authorization", ""))
+        user = self.auth.check(flow.request.headers.get("Proxy-Authorization", ""))
         if user is None:
-            flow.response = _auth_required()
+            flow.response = auth_required()
             return
         del flow.request.headers["Proxy-Authorization"]
         self._authed[flow.client_conn] = user
@@ -243,7 +146,7 @@ class FleettopProxy:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         name = self._identify(flow)
         if name is None:
-            flow.response = _auth_required()
+            flow.response = auth_required()
             return
         flow.metadata["fleettop_agent"] = name
         flow.metadata.setdefault("proxyauth", (name, ""))
@@ -263,7 +166,7 @@ class FleettopProxy:
                 body = wire.parse_request(flow.request.get_content(strict=False))
             except Exception:
                 body = None
-        flow.metadata["fleettop_flow"] = _FlowState(agent, api if body else None, body)
+        flow.metadata["fleettop_flow"] = FlowState(agent, api if body else None, body)
         self._remember_request(agent, flow, api, body)
         now = time.time()
         trip = agent.budget.on_request(now)
@@ -275,7 +178,7 @@ class FleettopProxy:
             flow.response = self._blocked_response(agent)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        st: _FlowState | None = flow.metadata.get("fleettop_flow")
+        st: FlowState | None = flow.metadata.get("fleettop_flow")
         if st is None or flow.response is None:
             return
         if st.api is None:
@@ -290,7 +193,7 @@ class FleettopProxy:
         # Under Content-Length a chunk can complete the body: the client would take it whole
         # and never read an error event after it. Those batches are checked before they go.
         check_after = "content-length" not in flow.response.headers
-        direct = _direct_writer(flow) if self.proxy.direct_writes and check_after else None
+        direct = direct_writer(flow) if self.proxy.direct_writes and check_after else None
         chunked = "chunked" in flow.response.headers.get("transfer-encoding", "").lower()
 
         def relay(data: bytes) -> Any:
@@ -330,7 +233,7 @@ class FleettopProxy:
         flow.response.stream = relay
 
     def error(self, flow: http.HTTPFlow) -> None:
-        st: _FlowState | None = flow.metadata.get("fleettop_flow")
+        st: FlowState | None = flow.metadata.get("fleettop_flow")
         if st is not None:
             st.agent.errors += 1
             if st.parser is not None and not st.aborted:
@@ -338,14 +241,14 @@ class FleettopProxy:
                 st.agent.active_streams -= 1
 
     # --- the chunk callback: parse, account, detect, maybe abort -------------------------
-    def _on_chunk(self, flow: http.HTTPFlow, st: _FlowState, data: bytes) -> Any:
+    def _on_chunk(self, flow: http.HTTPFlow, st: FlowState, data: bytes) -> Any:
         if st.aborted:
             if not data:
                 # The body ended before the delayed cut: cut now, or mitmproxy would send a
                 # clean end of message and the client would take the answer as complete.
                 # abort(): close() would still flush the terminator mitmproxy writes next.
                 # The error event went out with the previous chunk's write.
-                self._close_client(flow, final=True)
+                close_client(flow, final=True)
             return []
         parser = st.parser
         if parser is None:
@@ -378,7 +281,7 @@ class FleettopProxy:
             return self._abort(flow, st, trip, final=not data)
         return data
 
-    def _account(self, st: _FlowState, parser: wire.ResponseParser, final: bool) -> Trip | None:
+    def _account(self, st: FlowState, parser: wire.ResponseParser, final: bool) -> Trip | None:
         """Book the pending text: ring, loop detector, token budget (and at the end, the rest)."""
         agent = st.agent
         trip = None
@@ -410,7 +313,7 @@ class FleettopProxy:
             trip = trip or budget_trip
         return trip
 
-    def _abort(self, flow: http.HTTPFlow, st: _FlowState, trip: Trip,
+    def _abort(self, flow: http.HTTPFlow, st: FlowState, trip: Trip,
                final: bool = False) -> Any:
         st.aborted = True
         if st.parser is not None:
@@ -432,43 +335,11 @@ class FleettopProxy:
                 goodbye = [payload.encode() + b"\n"]
         if goodbye:
             # Let the error event reach the client first, then cut the connection.
-            asyncio.get_running_loop().call_later(0.02, self._close_client, flow)
+            asyncio.get_running_loop().call_later(0.02, close_client, flow)
         else:
-            self._close_client(flow, final=final)
+            close_client(flow, final=final)
         return goodbye
 
-    def _close_client(self, flow: http.HTTPFlow, final: bool = False, tries: int = 0) -> None:
-        """Cut the client's connection with a reset once what we wrote to it has left.
-
-        A reset, not a FIN: after a FIN, a body cut short under Content-Length reads as a
-        clean end to some clients (http.client's read1()); a reset is a connection error to
-        every client, and what reached it before (the error event) is still read first. With
-        `final` (the body ended: mitmproxy writes its end of message right after) it cannot
-        wait: a FIN then if bytes are still queued, so they are not thrown away."""
-        server = ctx.master.addons.get("proxyserver")
-        handler = server.connections.get(flow.client_conn.id) if server else None
-        if handler is None:
-            if flow.killable:  # already finished and gone: nothing left to cut
-                flow.kill()
-            return
-        io = handler.transports.get(flow.client_conn)
-        writer = getattr(io, "writer", None)
-        transport = getattr(writer, "transport", None)
-        if transport is None:
-            handler.close_connection(flow.client_conn)
-            return
-        if transport.is_closing():
-            return
-        sock = transport.get_extra_info("socket")
-        queued = transport.get_write_buffer_size() or _unsent(sock)
-        if queued and not final and tries < 20:
-            asyncio.get_running_loop().call_later(0.005, self._close_client, flow, False,
-                                                  tries + 1)
-            return
-        if not queued and sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.abort()  # no chunked terminator: the client sees a broken stream
 
     # --- trips, blocks, reports ----------------------------------------------------------
     def _trip(self, agent: AgentState, trip: Trip, flow: http.HTTPFlow | None) -> bool:
@@ -487,55 +358,15 @@ class FleettopProxy:
             "url": redact_text(flow.request.pretty_url) if flow is not None else None,
             "text_tail": redact_text(agent.ring()[-2048:]),
         }
-        folder = self._incident_folder(agent, event)
+        folder = self.incidents.folder_for(agent.name, event)
         event["incident"] = str(folder) if folder is not None else None
         # The report (which freezes the agent) goes out first; the incident's folder and files
         # (~1 ms: the ring is redacted and written) right after the chunk callback returns.
         self.report(event)
         if folder is not None:
-            self._incidents.append((folder, event, agent.ring(), list(agent.requests)))
-            try:
-                asyncio.get_running_loop().call_soon(self._write_incidents)
-            except RuntimeError:  # no loop (replay, tests): write now
-                self._write_incidents()
+            self.incidents.write_soon(folder, event, agent.ring(), list(agent.requests))
         return blocks
 
-    def _write_incidents(self) -> None:
-        while self._incidents:
-            self._write_incident(*self._incidents.pop(0))
-
-    def _incident_folder(self, agent: AgentState, event: dict[str, Any]) -> Path | None:
-        """Name `incidents/<time>-<agent>-<kind>[-n]/`; it is created with its files, after
-        the report (mkdir calls before it were most of the report's delay)."""
-        if self.state_dir is None:
-            return None
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(event["ts"]))
-        name = f"{stamp}-{agent.name}-{event['kind']}"
-        if self._incident_stamp != stamp:  # names are only reused within one second
-            self._incident_stamp, self._incident_names = stamp, {}
-        n = self._incident_names.get(name, 0) + 1
-        root = self.state_dir / "incidents"
-        folder = root / (name if n == 1 else f"{name}-{n}")
-        while folder.exists():  # left by an earlier proxy process in this second
-            n += 1
-            folder = root / f"{name}-{n}"
-        self._incident_names[name] = n
-        return folder
-
-    @staticmethod
-    def _write_incident(folder: Path, event: dict[str, Any], ring: str,
-                        requests: list[dict[str, Any]]) -> None:
-        try:
-            folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            folder.mkdir(mode=0o700, exist_ok=True)
-            (folder / "response.txt").write_text(redact_text(ring))
-            with open(folder / "requests.jsonl", "w") as fh:
-                for req in requests:
-                    fh.write(json.dumps(req) + "\n")
-            # event.json last: a folder with it is complete.
-            atomic_write_json(folder / "event.json", event, indent=2)
-        except OSError:
-            log.exception("fleettop addon: cannot write incident")
 
     def release(self, name: str) -> bool:
         agent = self.agents.get(name)
@@ -614,46 +445,6 @@ def _block_message(agent: AgentState) -> str:
     why = agent.blocked.reason if agent.blocked else "breaker"
     return (f"fleettop blocked agent {agent.name!r}: {why}. Fix the cause, then resume it with "
             f"`fleettop ctl resume {agent.name}` (or `r` in the fleettop UI).")
-
-
-def _auth_required() -> http.Response:
-    return http.Response.make(
-        407, b'{"error": "fleettop proxy: credentials required (http://AGENT:TOKEN@host:port)"}',
-        {"Proxy-Authenticate": 'Basic realm="fleettop"', "content-type": "application/json"})
-
-
-def _direct_writer(flow: http.HTTPFlow) -> asyncio.StreamWriter | None:
-    """The client connection's writer, when a chunk may be written to it as is: plain TCP
-    (no TLS to encrypt it: CONNECT clients go through mitmproxy's TLS layer) and HTTP/1.1 (no
-    HTTP/2 framing). mitmproxy writes every command of an event as its layers yield it, so
-    whatever it sent this client before our callback (the response head) is on the wire
-    already; what it sends after (the end of the body) follows ours."""
-    if flow.client_conn.tls or flow.request.http_version != "HTTP/1.1":
-        return None
-    server = ctx.master.addons.get("proxyserver")
-    handler = server.connections.get(flow.client_conn.id) if server else None
-    io = handler.transports.get(flow.client_conn) if handler is not None else None
-    writer = getattr(io, "writer", None)
-    return writer if type(writer) is asyncio.StreamWriter else None
-
-
-_SIOCOUTQNSD = 0x894B  # Linux: bytes in a socket's send queue not sent yet
-
-
-def _unsent(sock: Any) -> int:
-    if sock is None:
-        return 0
-    try:
-        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD,
-                                                  b"\0\0\0\0"))[0])
-    except OSError:
-        return 0
-
-
-def _const_eq(a: str, b: str) -> bool:
-    import hmac
-
-    return hmac.compare_digest(a.encode(), b.encode())
 
 
 def _redacted_evidence(evidence: dict[str, Any]) -> dict[str, Any]:
