@@ -18,7 +18,8 @@ import pytest
 
 from fleettop.supervisor.cli.lock import EXIT_SKIPPED
 from fleettop.supervisor.gpu import lock as gpulock
-from fleettop.supervisor.gpu.lock import GpuLock, LockTimeout, gpu_lock, proc_start_time, status
+from fleettop.supervisor.gpu.lock import GpuLock, LockTimeout, gpu_lock, status
+from fleettop.supervisor.gpu.queue import proc_start_time
 
 CHILD = """
 import sys, time
@@ -212,7 +213,7 @@ def _fake_ticket(folder: Path, seq: int, pid: int, start_time: int | None,
                  name: str = "ghost") -> Path:
     (folder / "queue").mkdir(parents=True, exist_ok=True)
     path = folder / "queue" / f"{seq:012d}.ticket"
-    path.write_text(json.dumps({"pid": pid, "start_time": start_time, "host": gpulock._HOST,
+    path.write_text(json.dumps({"pid": pid, "start_time": start_time, "host": gpulock.HOST,
                                 "name": name, "model": None, "queued_at": time.time()}))
     (folder / "seq").write_text(str(seq))
     return path

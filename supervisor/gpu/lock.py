@@ -32,31 +32,36 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
-import re
 import select
-import socket
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from fleettop.supervisor.gpu.queue import (
+    HOST,
+    Ticket,
+    TicketQueue,
+    own_start_time,
+    owner_alive,
+    write_new,
+)
 
 if TYPE_CHECKING:  # imported where used: it doubles the start-up of a sync-only `lock run`
     import asyncio
 
 log = logging.getLogger(__name__)
 
+
 ENV_LOCK_DIR = "FLEETTOP_GPU_LOCK_DIR"
 """Set by the supervisor for its agents, so `gpu_lock()` and `fleettop lock run` inside a
 fleet share the fleet's queue."""
 
-_NAME = re.compile(r"^(\d{12})\.(ticket|held|wake)$")
 _LOOK_AGAIN = 1.0  # a watched ticket is looked at again this often even if no wake-up comes
 _POLL_MIN = 0.001  # tickets without a pipe (another host, a hand-made file) are polled
 _POLL_MAX = 0.05
-_HOST = socket.gethostname()
 
 
 class LockTimeout(TimeoutError):
@@ -68,69 +73,6 @@ class LockTimeout(TimeoutError):
         self.waited = waited
         self.position = position
         self.holder = holder
-
-
-@dataclass(frozen=True, slots=True)
-class Ticket:
-    seq: int
-    pid: int
-    start_time: int | None
-    host: str
-    name: str | None
-    model: str | None
-    queued_at: float
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any, seq: int) -> Ticket:
-        if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
-            raise ValueError("not a ticket")
-        start = data.get("start_time")
-        return cls(seq=seq, pid=data["pid"], start_time=start if isinstance(start, int) else None,
-                   host=str(data.get("host") or ""), name=data.get("name"),
-                   model=data.get("model"), queued_at=float(data.get("queued_at") or 0.0))
-
-
-def proc_start_time(pid: int, proc: str = "/proc") -> int | None:
-    """Field 22 of /proc/PID/stat (clock ticks after boot); None if the pid is gone or a zombie."""
-    try:
-        raw = Path(f"{proc}/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rfind(b")") + 2:].split()
-    if not fields or fields[0] == b"Z" or len(fields) < 20:
-        return None
-    return int(fields[19])
-
-
-def owner_alive(ticket: Ticket) -> bool:
-    """False only on proof the ticket's process is dead (gone, zombie, or pid reused)."""
-    if ticket.host != _HOST:
-        return True
-    try:
-        os.kill(ticket.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    started = proc_start_time(ticket.pid)
-    if started is None:
-        return False
-    return ticket.start_time is None or started == ticket.start_time
-
-
-_own: tuple[int, int | None] | None = None
-
-
-def _own_start_time() -> int | None:
-    global _own
-    pid = os.getpid()
-    if _own is None or _own[0] != pid:  # a forked child has a pid of its own
-        _own = (pid, proc_start_time(pid))
-    return _own[1]
 
 
 def fleet_lock_folder(state_dir: str | os.PathLike[str], section: Any = None) -> Path:
@@ -147,172 +89,6 @@ def default_folder() -> Path:
     from fleettop.supervisor.base import paths
 
     return paths.state_root() / "gpu"
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _write_new(path: str, data: dict[str, Any]) -> None:
-    """Create `path` with JSON in one write(): readers see an empty file or all of it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, json.dumps(data).encode())
-    finally:
-        os.close(fd)
-
-
-@dataclass(slots=True)
-class _Entry:
-    ticket: Ticket
-    held: dict[str, Any] | None
-
-
-class _Queue:
-    """The queue folder: tickets by number, parsed once; warns once per garbage file."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.qdir = folder / "queue"
-        self._q = str(self.qdir)
-        self._tickets: dict[int, Ticket] = {}
-        self.garbage: set[int] = set()
-        self._warned: set[str] = set()
-
-    def path(self, seq: int, kind: str) -> str:
-        return f"{self._q}/{seq:012d}.{kind}"
-
-    def _warn(self, name: str, why: str) -> None:
-        if name not in self._warned:
-            self._warned.add(name)
-            log.warning("gpu lock: ignoring %s in %s: %s", name, self.qdir, why)
-
-    def listing(self) -> tuple[dict[int, set[str]], list[str]]:
-        """{ticket number: kinds of file present} and the names of files that aren't ours."""
-        try:
-            names = os.listdir(self._q)
-        except FileNotFoundError:
-            return {}, []
-        found: dict[int, set[str]] = {}
-        ignored: list[str] = []
-        for name in names:
-            if name.startswith("."):
-                continue
-            m = _NAME.match(name)
-            if m is None:
-                self._warn(name, "not a ticket name")
-                ignored.append(name)
-                continue
-            found.setdefault(int(m.group(1)), set()).add(m.group(2))
-        return found, ignored
-
-    def ticket(self, seq: int) -> Ticket | None:
-        """The ticket while its file is there; None once it is gone, or if it is garbage."""
-        path = self.path(seq, "ticket")
-        known = self._tickets.get(seq)
-        if known is not None:
-            return known if os.path.exists(path) else None
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-            if not raw:
-                return None  # created under queue.lock, its one write() not done yet
-            ticket = Ticket.from_json(json.loads(raw), seq)
-        except FileNotFoundError:
-            return None
-        except (ValueError, TypeError, OSError) as exc:
-            self._warn(f"{seq:012d}.ticket", f"unreadable ticket ({exc})")
-            self.garbage.add(seq)
-            return None
-        self._tickets[seq] = ticket
-        return ticket
-
-    def held(self, seq: int) -> dict[str, Any] | None:
-        try:
-            with open(self.path(seq, "held"), "rb") as f:
-                marker = json.loads(f.read())
-        except FileNotFoundError:
-            return None
-        except (ValueError, OSError):
-            return {}  # being written, or damaged: held all the same
-        return marker if isinstance(marker, dict) else {}
-
-    def scan(self) -> tuple[list[_Entry], list[str]]:
-        """Tickets in order (with their held marker) and the names of ignored files."""
-        found, ignored = self.listing()
-        entries: list[_Entry] = []
-        for seq in sorted(found):
-            if "ticket" not in found[seq]:
-                continue
-            ticket = self.ticket(seq)
-            if ticket is None:
-                if seq in self.garbage:
-                    ignored.append(f"{seq:012d}.ticket")
-                continue
-            entries.append(_Entry(ticket, self.held(seq) if "held" in found[seq] else None))
-        return entries, ignored
-
-    def remove(self, seq: int) -> None:
-        for kind in ("held", "ticket", "wake"):
-            _unlink(self.path(seq, kind))
-
-    def enqueue(self, fields: dict[str, Any]) -> tuple[int, list[int], int | None]:
-        """Number and publish a ticket → (its number, the tickets ahead, our pipe's fd).
-
-        Both happen under queue.lock: a number taken but not yet visible would let a later
-        ticket jump the queue, and a waiter only ever looks at tickets (and pipes) complete
-        before its own. The pipe's fd is None where the file system has no named pipes."""
-        self.qdir.mkdir(parents=True, exist_ok=True)
-        self._tickets.clear()
-        lock = os.open(f"{self.folder}/queue.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            found, _ = self.listing()
-            seq = self._next_seq(max(found, default=0))
-            for old, kinds in found.items():
-                if "ticket" not in kinds:  # left by a crash, or a release halfway done
-                    self.remove(old)
-            pipe = self._make_pipe(seq)
-            try:
-                _write_new(self.path(seq, "ticket"), fields)
-            except BaseException:
-                self.remove(seq)
-                if pipe is not None:
-                    os.close(pipe)
-                raise
-        finally:
-            os.close(lock)
-        return seq, sorted(s for s, kinds in found.items() if "ticket" in kinds), pipe
-
-    def _next_seq(self, highest: int) -> int:
-        # In place (we hold queue.lock): renaming over the old counter costs a flush on ext4.
-        fd = os.open(f"{self.folder}/seq", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            raw = os.pread(fd, 64, 0)
-            try:
-                last = int(raw.strip())
-            except ValueError:
-                last = 0  # missing or garbled: continue after the highest ticket present
-            seq = max(last, highest) + 1
-            data = b"%d\n" % seq
-            os.pwrite(fd, data, 0)
-            if len(raw) > len(data):
-                os.ftruncate(fd, len(data))
-            return seq
-        finally:
-            os.close(fd)
-
-    def _make_pipe(self, seq: int) -> int | None:
-        path = self.path(seq, "wake")
-        try:
-            os.mkfifo(path, 0o600)
-            # Read-write, so opening never blocks and the pipe never reports a hangup to us.
-            return os.open(path, os.O_RDWR | os.O_NONBLOCK)
-        except OSError as exc:
-            log.debug("gpu lock: no pipe in %s (%s); successors will poll", self.qdir, exc)
-            _unlink(path)
-            return None
 
 
 def _settle(ready: asyncio.Future[None]) -> None:
@@ -366,7 +142,7 @@ class GpuLock:
         self.acquired_at: float | None = None
         self.waited: float | None = None
         self._fd: int | None = None  # gpu.lock, while held
-        self._queue = _Queue(self.folder)
+        self._queue = TicketQueue(self.folder)
         self._pipe: int | None = None  # our ticket's pipe, while queued or holding
         self._ahead: list[int] = []  # ticket numbers that were ahead of ours, nearest last
         self._watch: tuple[int, int | None] | None = None  # (ticket, read end of its pipe)
@@ -379,8 +155,8 @@ class GpuLock:
     # --- steps shared by the sync and async loops -------------------------------------------
 
     def _enqueue(self) -> None:
-        fields: dict[str, Any] = {"pid": os.getpid(), "start_time": _own_start_time(),
-                                  "host": _HOST, "name": self.name, "model": self.model,
+        fields: dict[str, Any] = {"pid": os.getpid(), "start_time": own_start_time(),
+                                  "host": HOST, "name": self.name, "model": self.model,
                                   "queued_at": time.time()}
         seq, self._ahead, self._pipe = self._queue.enqueue(fields)
         self.ticket = Ticket(seq=seq, **fields)
@@ -420,7 +196,7 @@ class GpuLock:
             queue.remove(seq)
             return None
         fd = self._watch[1]
-        if fd is None or ticket.host != _HOST:
+        if fd is None or ticket.host != HOST:
             return None, self._backoff()
         try:
             os.read(fd, 64)
@@ -457,7 +233,7 @@ class GpuLock:
         assert self.ticket is not None
         self.acquired_at = time.time()
         self.waited = self.acquired_at - self.ticket.queued_at
-        _write_new(self._queue.path(self.ticket.seq, "held"),
+        write_new(self._queue.path(self.ticket.seq, "held"),
                    {"pid": os.getpid(), "acquired_at": self.acquired_at,
                     "waited_s": round(self.waited, 6)})
 
@@ -490,24 +266,31 @@ class GpuLock:
 
     # --- sync -------------------------------------------------------------------------------
 
-    def acquire(self) -> GpuLock:
-        if self.held:
-            raise RuntimeError("GpuLock is not reentrant")
+    def _waits(self) -> Iterator[tuple[int | None, float]]:
+        """One acquisition as the waits it takes: (fd to watch or None, at most this long).
+
+        `acquire` and `acquire_async` drive it, each waiting its own way; it raises
+        LockTimeout at the deadline and returns once the lock is ours."""
         started = time.monotonic()
         deadline = None if self.timeout is None else started + self.timeout
         self._enqueue()
+        while (wait := self._advance()) is not None:
+            remaining = self._remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                raise self._give_up(started)
+            fd, delay = wait
+            yield fd, delay if remaining is None else min(delay, remaining)
+        self._granted()
+
+    def acquire(self) -> GpuLock:
+        if self.held:
+            raise RuntimeError("GpuLock is not reentrant")
         try:
-            while (wait := self._advance()) is not None:
-                remaining = self._remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    raise self._give_up(started)
-                fd, delay = wait
-                delay = delay if remaining is None else min(delay, remaining)
+            for fd, delay in self._waits():
                 if fd is None:
                     time.sleep(delay)
                 else:
                     _readable_sync(fd, delay)
-            self._granted()
         except BaseException:
             self.release()
             raise
@@ -532,21 +315,12 @@ class GpuLock:
     async def acquire_async(self) -> GpuLock:
         if self.held:
             raise RuntimeError("GpuLock is not reentrant")
-        started = time.monotonic()
-        deadline = None if self.timeout is None else started + self.timeout
-        self._enqueue()
         try:
-            while (wait := self._advance()) is not None:
-                remaining = self._remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    raise self._give_up(started)
-                fd, delay = wait
-                delay = delay if remaining is None else min(delay, remaining)
+            for fd, delay in self._waits():
                 if fd is None:
                     await _sleep(delay)
                 else:
                     await _readable(fd, delay)
-            self._granted()
         except BaseException:
             self.release()
             raise
@@ -570,7 +344,7 @@ def status(folder: str | os.PathLike[str] | None = None, *, now: float | None = 
     """Holder, queue in order, waits; stale tickets and ignored files. JSON-able."""
     folder = Path(folder) if folder is not None else default_folder()
     now = time.time() if now is None else now
-    queue = _Queue(folder)
+    queue = TicketQueue(folder)
     entries, ignored = queue.scan()
     holder: dict[str, Any] | None = None
     waiting: list[dict[str, Any]] = []
