@@ -149,7 +149,7 @@ def pct(xs: list[float], q: float) -> float:
 
 async def main(trips: int, loop: str = "uvloop") -> dict:
     from fleettop.supervisor.capabilities.proxy import ProxyBreaker
-    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.config.load import parse_fleet
     from fleettop.supervisor.core.supervisor import Supervisor
 
     up = Upstream(pace=0.002)

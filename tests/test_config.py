@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.config.fleet import FleetError, parse_fleet
+from fleettop.supervisor.config.load import FleetError, parse_fleet
 from fleettop.supervisor.config.units import parse_duration, parse_size, parse_time_of_day
 from tests.conftest import FLEETTOP
 

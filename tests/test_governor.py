@@ -270,7 +270,7 @@ while True:  # 96 MiB read over and over under a 24 MiB limit: reclaim, refault,
 async def test_real_memory_pressure_in_an_agent_cgroup_raises_the_level(tmp_path: Path) -> None:
     import sys
 
-    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.config.load import parse_fleet
     from fleettop.supervisor.core.supervisor import Supervisor
 
     if read_psi("/proc/pressure/memory") is None:

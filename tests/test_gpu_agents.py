@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from fleettop.supervisor.capabilities.gpu import GpuStartGate
-from fleettop.supervisor.config.fleet import parse_fleet
+from fleettop.supervisor.config.load import parse_fleet
 from fleettop.supervisor.core.agent import AgentState
 from fleettop.supervisor.core.supervisor import Supervisor
 from fleettop.supervisor.gpu.lock import status

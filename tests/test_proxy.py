@@ -445,7 +445,7 @@ async def test_repeated_trip_freeze_resume_cycles_do_not_stall(tmp_path, upstrea
     import asyncio
 
     from fleettop.supervisor.capabilities.proxy import ProxyBreaker
-    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.config.load import parse_fleet
     from fleettop.supervisor.core.supervisor import Supervisor
 
     fleet = {"agents": {"cycler": {"cmd": [sys.executable, "-c", LOOP_AGENT], "restart": "no",
@@ -484,7 +484,7 @@ async def test_a_resume_lifts_the_block_once_before_the_thaw(tmp_path):
     import asyncio
 
     from fleettop.supervisor.capabilities.proxy import ProxyBreaker
-    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.config.load import parse_fleet
     from fleettop.supervisor.core.supervisor import Supervisor
 
     text = json.dumps({"agents": {"sleeper": {"cmd": ["sleep", "60"], "restart": "no"}}})
@@ -513,7 +513,7 @@ async def test_resume_during_an_unconfirmed_freeze_is_not_lost(tmp_path, monkeyp
     frozen. A resume sent then must end with the agent running."""
     import asyncio
 
-    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.config.load import parse_fleet
     from fleettop.supervisor.core import cgroups
     from fleettop.supervisor.core import freeze as freeze_path
     from fleettop.supervisor.core.supervisor import Supervisor

@@ -430,7 +430,7 @@ def test_serve_never_imports_textual() -> None:
 # -- against the real supervisor ------------------------------------------------------------
 
 async def test_real_supervisor_stream_metrics_and_freeze(tmp_path: Path) -> None:
-    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.config.load import parse_fleet
     from fleettop.supervisor.control.client import InProcessClient
     from fleettop.supervisor.core.agent import AgentState
     from fleettop.supervisor.core.supervisor import Supervisor

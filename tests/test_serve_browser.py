@@ -225,7 +225,7 @@ SLEEPER = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"]
 
 @needs_cgroups
 async def test_page_freezes_a_real_agent_and_its_cgroup_shows_frozen(tmp_path: Path) -> None:
-    from fleettop.supervisor.config.fleet import parse_fleet
+    from fleettop.supervisor.config.load import parse_fleet
     from fleettop.supervisor.control.client import InProcessClient
     from fleettop.supervisor.core.agent import AgentState
     from fleettop.supervisor.core.supervisor import Supervisor

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.config.fleet import parse_fleet
+from fleettop.supervisor.config.load import parse_fleet
 from fleettop.supervisor.control.dispatch import dispatch
 from fleettop.supervisor.core import cgroups, proctree
 from fleettop.supervisor.core.agent import AgentState

@@ -201,7 +201,7 @@ def _fleet(args: argparse.Namespace) -> Any:
     path = getattr(args, "file", None)
     if not path:
         return None
-    from fleettop.supervisor.config.fleet import load_fleet
+    from fleettop.supervisor.config.load import load_fleet
 
     return load_fleet(path)
 

@@ -64,7 +64,7 @@ def resolve_folder(args: argparse.Namespace) -> Path:
 def fleet_lock_folder(fleet_file: str) -> Path:
     """`gpu.lock_dir` of the fleet file if set, else `<state dir>/gpu`."""
     from fleettop.supervisor.base import paths
-    from fleettop.supervisor.config.fleet import load_fleet
+    from fleettop.supervisor.config.load import load_fleet
 
     fleet = load_fleet(fleet_file)
     lock_dir = getattr(fleet.gpu, "lock_dir", None)

@@ -13,7 +13,8 @@ from typing import Any
 
 from fleettop.supervisor.base import paths
 from fleettop.supervisor.config import units
-from fleettop.supervisor.config.fleet import Fleet, FleetError, load_fleet
+from fleettop.supervisor.config.fleet import Fleet
+from fleettop.supervisor.config.load import FleetError, load_fleet
 from fleettop.supervisor.control import server as control
 
 DEFAULT_FILE = "fleet.yaml"

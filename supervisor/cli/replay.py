@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     fleet = None
     if args.config:
-        from fleettop.supervisor.config.fleet import FleetError, load_fleet
+        from fleettop.supervisor.config.load import FleetError, load_fleet
 
         try:
             fleet = load_fleet(args.config)

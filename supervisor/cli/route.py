@@ -36,7 +36,7 @@ def sections_of(fleet: Any) -> tuple[ModelsSection, RoutesSection]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleettop.supervisor.config.fleet import FleetError, load_fleet
+    from fleettop.supervisor.config.load import FleetError, load_fleet
 
     try:
         models, routes = sections_of(load_fleet(args.file))

@@ -67,7 +67,7 @@ async def dispatch(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
             n = int(req.get("n", 100))
             return {"ok": True, "events": [e.to_json() for e in list(sup.events)[-n:]]}
         if cmd == "reload":
-            from fleettop.supervisor.config.fleet import FleetError, load_fleet
+            from fleettop.supervisor.config.load import FleetError, load_fleet
 
             path = sup.fleet.path
             if not path:
