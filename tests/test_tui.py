@@ -86,7 +86,7 @@ class Harness:
         return [m.request for m in self.messages if isinstance(m, CommandIssued)]
 
     def row_text(self, name: str) -> list[str]:
-        table = self.app.query_one(AgentsTable)
+        table = self.app.screen_stack[0].query_one(AgentsTable)
         return [str(c) for c in table.get_row(name)]
 
     async def ready(self, pilot: Pilot[Any]) -> None:
@@ -229,6 +229,36 @@ async def test_polls_never_overlap_and_events_trigger_a_poll() -> None:
         await until(pilot, lambda: h.row_text("vision")[1] == "❚❚ FROZEN")
         assert peak == 1
         assert any(isinstance(m, SnapshotArrived) for m in h.messages)
+
+
+async def test_a_snapshot_before_or_after_the_widgets_is_kept_not_a_crash() -> None:
+    """The start-up race: a snapshot that arrives while the main widgets are not mounted
+    (before the app runs, or once it has exited) is kept and shown at the next render."""
+    fleet = FakeFleet()
+    app = FleettopApp(fleet, refresh_s=30.0)
+    snap = await fleet.snapshot()
+    app.on_snapshot_arrived(SnapshotArrived(snap))  # not running: no screen yet
+    assert app.snapshot is snap and app.renders == 0
+    h = Harness(fleet)
+    async with h.run() as pilot:
+        await h.ready(pilot)
+        renders = h.app.renders
+    h.app.on_snapshot_arrived(SnapshotArrived(snap))  # exited: widgets gone
+    assert h.app.renders == renders
+
+
+async def test_snapshots_render_into_the_table_under_the_inspector() -> None:
+    h = Harness()
+    async with h.run() as pilot:
+        await h.ready(pilot)
+        await h.select(pilot, "coder")
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(h.app.screen, InspectorScreen))
+        renders = h.app.renders
+        h.fleet.set_state("summarizer", "frozen", reason="test")
+        await until(pilot, lambda: h.app.renders > renders
+                    and h.row_text("summarizer")[1] == "❚❚ FROZEN")
+        assert isinstance(h.app.screen, InspectorScreen)
 
 
 async def test_periodic_refresh_shows_a_change_within_one_refresh() -> None:

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from textual import on, work
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, ScreenStackError
 from textual.containers import Container, Horizontal
 from textual.geometry import Size
 from textual.reactive import reactive
@@ -153,7 +153,18 @@ class FleettopApp(App[str | None]):
 
     @property
     def table(self) -> AgentsTable:
-        return self.query_one("#agents", AgentsTable)
+        return self.screen_stack[0].query_one("#agents", AgentsTable)
+
+    def _main_mounted(self) -> bool:
+        """Whether the main screen's widgets are there to render into. A snapshot can arrive
+        before they are mounted (start-up) or after they are gone (exit): it is kept, and the
+        next render shows it. Rendering always targets the main screen, under any other."""
+        if not self.is_running:
+            return False
+        try:
+            return bool(self.screen_stack[0].query("#agents"))
+        except (ScreenStackError, IndexError):
+            return False
 
     # -- polling ----------------------------------------------------------------------------
 
@@ -228,17 +239,18 @@ class FleettopApp(App[str | None]):
         return agents
 
     def _render(self) -> None:
-        if self.too_small:
+        if not self._main_mounted() or self.too_small:
             return
         snap, now = self.snapshot, self._now()
+        main = self.screen_stack[0]
         with self.batch_update():
             self.table.show(self.rows(), compact=self.compact, sort_key=self.sort_key,
                             reverse=self.sort_reverse, needle=self.needle)
             note = f"filter '{self.needle}'" if self.needle else ""
-            self.query_one(StatusLine).show(snap, readonly=self.readonly, error=self.error,
+            main.query_one(StatusLine).show(snap, readonly=self.readonly, error=self.error,
                                             note=note)
             if snap:
-                for panel in self.query(Panel):
+                for panel in main.query(Panel):
                     panel.show(snap, now)
             screen = self.screen
             if isinstance(screen, InspectorScreen):
