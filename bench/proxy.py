@@ -15,7 +15,7 @@ floor.
   usual shape of token streams);
   trip latency (loop onset at the upstream → `breaker.trip` on the proxy's stdout)
   in ms and in chunks; detector chars-after-onset (median/p90) and ns per char and per byte
-  on tests/data, fed in 2–24-char deltas (as replay does) and in the proxy's 128-char batches.
+  on tests/unit/data, fed in 2–24-char deltas (as replay does) and in the proxy's 128-char batches.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def corpus_numbers() -> dict:
     sys.path.insert(0, str(ROOT))
     from fleettop.supervisor.detect.token_loop import LoopDetector
 
-    with gzip.open(ROOT / "tests/data/loop_corpus.jsonl.gz", "rt", encoding="utf-8") as fh:
+    with gzip.open(ROOT / "tests/unit/data/loop_corpus.jsonl.gz", "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh]
     rng = random.Random(1)
     delays, fp, chars, nbytes, spent = [], 0, 0, 0, 0.0

@@ -26,7 +26,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fleettop.supervisor.web.metrics import render_metrics
 from fleettop.supervisor.web.server import MetricsServer
-from tests.fake_serve_fleet import FakeFleetClient  # noqa: E402
+from tests.support.fake_serve_fleet import FakeFleetClient  # noqa: E402
 
 VIEWERS = """
 import asyncio, json, sys, time

@@ -1,7 +1,7 @@
 """UI cost: CPU% and RSS of the UI process with 50 and 200 agents at the default refresh, and
 the time from a state change in the supervisor to it being on screen.
 
-Each configuration runs in its own process over the fake client from tests/fake_fleet.py, in
+Each configuration runs in its own process over the fake client in tests/support/fake_fleet.py, in
 two cases and two terminal sizes (80×24 and 160×60, where every row of 50 agents is visible):
 
 - worst: every running agent's numbers change on every poll, so every row repaints;
@@ -50,7 +50,7 @@ CASES = ("worst", "realistic")
 
 
 def _fleet(n: int, case: str) -> Any:
-    from tests.fake_fleet import FakeFleet
+    from tests.support.fake_fleet import FakeFleet
 
     class WorstFleet(FakeFleet):
         async def snapshot(self) -> dict[str, Any]:

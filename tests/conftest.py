@@ -1,16 +1,12 @@
-"""Shared fixtures: every test gets its own state and runtime dirs, so fleets never collide."""
+"""Shared fixtures: every test gets its own state and runtime dirs, so fleets never collide.
+
+Tests outside tests/unit are marked `slow` here: `./test.sh -m "not slow"` runs the fast part."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from fleettop.supervisor.core import cgroups
 
 
 @pytest.fixture(autouse=True)
@@ -21,44 +17,10 @@ def _private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     yield
 
 
-def cgroup_v2_writable() -> str:
-    """"" when this machine lets us make cgroups, else why not (for skip messages)."""
-    mount = cgroups.find_v2_mount()
-    if mount is None:
-        return "no cgroup v2 mount"
-    if os.geteuid() != 0 and not os.access(mount, os.W_OK):
-        return f"cgroup v2 at {mount} not writable by uid {os.geteuid()} (run as root)"
-    return ""
+_FAST = Path(__file__).parent / "unit"
 
 
-needs_cgroups = pytest.mark.skipif(bool(cgroup_v2_writable()),
-                                   reason=f"needs a writable cgroup v2: {cgroup_v2_writable()}")
-FLEETTOP = [sys.executable, "-m", "fleettop.supervisor.cli.main"]
-
-
-def write_fleet(tmp: Path, text: str, name: str = "fleet.yaml") -> Path:
-    path = tmp / name
-    path.write_text(text)
-    return path
-
-
-def spawn_proxy(state: Path, tokens: dict, cfg: dict, stderr=subprocess.PIPE,
-                env: dict | None = None) -> subprocess.Popen:
-    """The real proxy process (proxy_main) in `state`, with its token and config files
-    written there; JSON reports on its stdout, commands on its stdin (text mode)."""
-    (state / "tokens.json").write_text(json.dumps(tokens))
-    (state / "cfg.json").write_text(json.dumps(cfg))
-    return subprocess.Popen(
-        [sys.executable, "-m", "fleettop.probes.proxy.main", "--state-dir", str(state),
-         "--config", str(state / "cfg.json"), "--tokens", str(state / "tokens.json")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-
-
-def end_by_eof(proc: subprocess.Popen, timeout: float = 10) -> None:
-    """Stop a process that exits when its stdin closes (the proxy); kill it if it doesn't."""
-    proc.stdin.close()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _FAST not in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)

@@ -1,6 +1,6 @@
 """fleettop's mitmproxy addon: per-agent auth, token accounting, inline loop breaker.
 
-Pinned to mitmproxy 11.0.2. Caveats, each tested in tests/test_proxy.py:
+Pinned to mitmproxy 11.0.2. Caveats, each tested in tests/integration/test_proxy.py:
 - Responses are relayed chunk by chunk through a `flow.response.stream` callable (one call per
   upstream read, not aligned to SSE events). It returns the chunk untouched, `[]` to drop one,
   never `b""` (that is the end-of-body marker: the client would see a clean, truncated body),

@@ -10,7 +10,7 @@
       retry: {repeats: 6, distance: 6, max_lag: null, fuzzy_chars: 64}
       budget: {window: 1h, tokens: 2000000, requests: null, cost: 5.0, rate_per_min: 120}
 
-Defaults were tuned on tests/data (see docs/readme-proxy.md for the corpus numbers).
+Defaults were tuned on tests/unit/data (see docs/readme-proxy.md for the corpus numbers).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Generation (`LoopDetector.feed(delta) -> Trip | None`), three tiers, any one tri
   B and C sit behind a repetition gate: a unit or window is fingerprinted only when one of its
   12-char anchors (one per 32 chars) occurs in the 4 KiB before it, which text that repeats
   nothing seldom does; the earlier ones it is compared with are fingerprinted then.
-Defaults are tuned on tests/data (research D: 64-bit SimHash, legit structured text reaches 6-7).
+Defaults are tuned on tests/unit/data (research D: 64-bit SimHash; legit structured text reaches
+6-7 bits).
 """
 
 from __future__ import annotations

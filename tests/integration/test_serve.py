@@ -29,7 +29,7 @@ from fleettop.supervisor.web.server import (
     start_serving,
 )
 from fleettop.supervisor.web.snapshot import snapshot_delta
-from tests.fake_serve_fleet import FakeFleetClient
+from tests.support.fake_serve_fleet import FakeFleetClient
 
 REFRESH = 0.3
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, sys
-from tests.fake_fleet import FakeFleet
+from tests.support.fake_fleet import FakeFleet
 from fleettop.tui.app import run_app
 
 fleet = FakeFleet()

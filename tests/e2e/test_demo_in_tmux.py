@@ -21,7 +21,7 @@ import pytest
 from fleettop.supervisor.base import paths
 from fleettop.supervisor.core import proctree
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLEETTOP = str(Path(sys.executable).parent / "fleettop")
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,

@@ -16,7 +16,7 @@ import pytest
 
 from fleettop.supervisor.base import paths
 from fleettop.supervisor.core import proctree
-from tests.conftest import FLEETTOP, needs_cgroups
+from tests.support.processes import FLEETTOP, needs_cgroups
 
 PY = sys.executable
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("openai", "ollama", "requests")
 CHECK = ("import openai, ollama, requests; from importlib.metadata import version as v; "
          "print(*(f'{p}=={v(p)}' for p in ('openai', 'ollama', 'requests', 'httpx')))")

@@ -9,9 +9,9 @@ import pytest
 
 from fleettop.supervisor.config.load import FleetError, parse_fleet
 from fleettop.supervisor.config.units import parse_duration, parse_size, parse_time_of_day
-from tests.conftest import FLEETTOP
+from tests.support.processes import FLEETTOP
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (fleet text, expected "LINE:COL: field: message" fragment)
 MALFORMED = [

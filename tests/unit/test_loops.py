@@ -1,4 +1,4 @@
-"""Loop detectors on the seeded corpus in tests/data (regenerate with make_corpus.py)."""
+"""Loop detectors on the seeded corpus in tests/unit/data (regenerate with make_corpus.py)."""
 
 from __future__ import annotations
 

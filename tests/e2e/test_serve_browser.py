@@ -29,10 +29,10 @@ import pytest
 
 from fleettop.supervisor.core import cgroups
 from fleettop.supervisor.web.server import MetricsServer
-from tests.conftest import needs_cgroups
-from tests.fake_serve_fleet import FakeFleetClient
+from tests.support.fake_serve_fleet import FakeFleetClient
+from tests.support.processes import needs_cgroups
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--window-size=1280,900",

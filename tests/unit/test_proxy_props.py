@@ -35,7 +35,7 @@ from mitmproxy.test import tflow, tutils
 
 from fleettop.probes.proxy import wire
 from fleettop.probes.proxy.breaker import FleettopProxy
-from tests.conftest import end_by_eof, spawn_proxy
+from tests.support.processes import end_by_eof, spawn_proxy
 
 FAST = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -21,7 +21,7 @@ from fleettop.supervisor.gpu.governor import (
     read_state,
     shrink_request,
 )
-from tests.conftest import needs_cgroups
+from tests.support.processes import needs_cgroups
 
 CALM = ("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
         "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
@@ -266,6 +266,7 @@ while True:  # 96 MiB read over and over under a 24 MiB limit: reclaim, refault,
 """
 
 
+@pytest.mark.slow  # a real agent fills its cgroup: ~30 s
 @needs_cgroups
 async def test_real_memory_pressure_in_an_agent_cgroup_raises_the_level(tmp_path: Path) -> None:
     import sys

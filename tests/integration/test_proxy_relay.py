@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fleettop.probes.proxy import relay as proxy_relay
-from tests.conftest import spawn_proxy
+from tests.support.processes import spawn_proxy
 
 TOKEN = "tok-relay-0123456789"
 N = 300  # SSE events the upstream sends in one write

@@ -19,7 +19,7 @@ import pytest
 
 from fleettop.supervisor.cli import main as cli
 from fleettop.supervisor.replay import BadInput, ReplayParams, replay_path, replay_stream, sniff
-from tests.conftest import spawn_proxy
+from tests.support.processes import spawn_proxy
 
 DATA = Path(__file__).parent / "data"
 MiB = 1 << 20

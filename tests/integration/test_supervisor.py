@@ -19,7 +19,7 @@ from fleettop.supervisor.control.dispatch import dispatch
 from fleettop.supervisor.core import cgroups, proctree
 from fleettop.supervisor.core.agent import AgentState
 from fleettop.supervisor.core.supervisor import Supervisor
-from tests.conftest import needs_cgroups
+from tests.support.processes import needs_cgroups
 
 PY = sys.executable
 

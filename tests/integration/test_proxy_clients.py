@@ -1,7 +1,7 @@
 """Real agent clients through the real proxy: the official `openai` and `ollama` SDKs, `requests`
-and `urllib`, each run as an agent is: a script in its own venv (tests/agents_venv.py) with the
-env `proxy_env(...)` gives it, against the bundled mock backend, over HTTP and over HTTPS through
-the fleettop CA. Then the demo's looping agent under the real supervisor, end to end.
+and `urllib`, each run as an agent is: a script in its own venv (tests/support/agents_venv.py)
+with the env `proxy_env(...)` gives it, against the bundled mock backend, over HTTP and over
+HTTPS through the fleettop CA. Then the demo's looping agent under the real supervisor, end to end.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from fleettop.supervisor.capabilities.proxy import proxy_env, write_ca_bundle
-from tests.agents_venv import agents_python
-from tests.conftest import FLEETTOP, end_by_eof, needs_cgroups
+from tests.support.agents_venv import agents_python
+from tests.support.processes import FLEETTOP, end_by_eof, needs_cgroups
 
 PY = sys.executable
 SECRET = "sk-proj-FLEETTOPtest0123456789abcdefXYZ"  # every client sends it; none may be stored

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORE = ["fleettop.supervisor.cli.main", "fleettop.supervisor.core.supervisor",
         "fleettop.supervisor.cli.run", "fleettop.supervisor.cli.assemble",
         "fleettop.supervisor.web.server", "fleettop.probes.sensors.source",

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fleettop.supervisor.gpu.lock import GpuLock
-from tests.conftest import end_by_eof, spawn_proxy
+from tests.support.processes import end_by_eof, spawn_proxy
 
 TOKENS = {"alice": "a" * 32, "bob": "b" * 32, "carol": "c" * 32, "excl": "e" * 32}
 
@@ -393,7 +393,7 @@ print("agent done", flush=True)
 
 
 def test_a_fleet_of_shared_agents_takes_turns_on_a_local_gpu_server(tmp_path):
-    from tests.conftest import FLEETTOP, write_fleet
+    from tests.support.processes import FLEETTOP, write_fleet
 
     port = _free_port()
     server = f"http://127.0.0.1:{port}"

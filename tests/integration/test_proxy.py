@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import spawn_proxy
+from tests.support.processes import spawn_proxy
 
 SECRET = "sk-ant-TESTSECRET0123456789abcdefXYZ"
 TOKENS = {a: f"tok-{a}-0123456789" for a in

@@ -1,7 +1,7 @@
 """Pilot tests of the terminal UI against the deterministic fake client.
 
 Each binding is pressed and the test asserts on the command the fake supervisor received and on
-what the screen then shows. Text snapshots at 80×24 and 120×40 live in tests/data/tui/;
+what the screen then shows. Text snapshots at 80×24 and 120×40 live in tests/unit/data/tui/;
 regenerate them with FLEETTOP_UPDATE_SNAPSHOTS=1 after an intended layout change.
 """
 
@@ -36,7 +36,7 @@ from fleettop.tui.screens import (
     highlighted_tokens,
 )
 from fleettop.tui.widgets import AgentsTable, EventsPanel, LeakPanel, LockPanel, VramPanel
-from tests.fake_fleet import LOOP, FakeFleet, tripped_text
+from tests.support.fake_fleet import LOOP, FakeFleet, tripped_text
 
 DATA = Path(__file__).parent / "data" / "tui"
 WIDE = (120, 40)

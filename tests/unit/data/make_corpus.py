@@ -1,7 +1,7 @@
 """Generate the loop-detector corpus, offline and seeded.
 
-    python tests/data/make_corpus.py            # writes tests/data/loop_corpus.jsonl.gz
-                                                #    and tests/data/request_corpus.jsonl.gz
+    python tests/unit/data/make_corpus.py            # writes tests/unit/data/loop_corpus.jsonl.gz
+                                                #    and tests/unit/data/request_corpus.jsonl.gz
 
 Generation corpus, one JSON object per line: {id, label: legit|loop|ambiguous, category, text,
 loop_start (char offset where the loop begins, loops only)}. Legitimately repetitive text

@@ -1,0 +1,1 @@
+"""Real processes: the supervisor, the proxy, cgroups, eBPF, the GPU lock, SDK clients."""
