@@ -36,34 +36,87 @@ def test_headless_run_path_stays_light() -> None:
     assert run.stdout.strip() == "[]", run.stdout + run.stderr
 
 
-def test_regular_install_layout_and_import_contract(tmp_path: Path) -> None:
-    """`pip install .` (not editable): only `fleettop/` lands in site-packages — nothing named
-    `supervisor` to clobber supervisord —, every subpackage of the three roots is installed,
-    and the import-linter contracts hold on it."""
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`pip install .` (not editable) into a folder of its own; returns that folder."""
+    tmp = tmp_path_factory.mktemp("install")
     # From a copy of the source: setuptools reuses an in-tree build/ that can hold modules
     # since moved or deleted, and would install them too.
-    src = tmp_path / "src"
+    src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
         "build", "dist", ".venv*", ".git", "*.egg-info", "__pycache__", "test-artifacts"))
-    target = tmp_path / "site"
+    target = tmp / "site"
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                           "--target", str(target), str(src)], capture_output=True, text=True)
     assert pip.returncode == 0, pip.stderr[-2000:]
-    top = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info"))
+    return target
+
+
+def test_regular_install_layout(installed: Path) -> None:
+    """Only `fleettop/` lands in site-packages — nothing named `supervisor` to clobber
+    supervisord — and every subpackage of the three roots is installed with its data."""
+    top = sorted(p.name for p in installed.iterdir() if not p.name.endswith(".dist-info"))
     assert top == ["bin", "fleettop"], top
-    assert sorted(p.name for p in (target / "fleettop").iterdir()) == ["probes", "supervisor",
-                                                                        "tui"]
+    assert sorted(p.name for p in (installed / "fleettop").iterdir()) == ["probes", "supervisor",
+                                                                           "tui"]
     for root in ("supervisor", "probes", "tui"):
         for init in (ROOT / root).rglob("__init__.py"):
             rel = init.relative_to(ROOT)
-            assert (target / "fleettop" / rel).exists(), f"{rel.parent} is not installed"
-    assert (target / "fleettop/tui/fleettop.tcss").exists()
-    assert (target / "fleettop/probes/sensors/ebpf.c").exists()
-    assert (target / "fleettop/supervisor/web/page.html").exists()
+            assert (installed / "fleettop" / rel).exists(), f"{rel.parent} is not installed"
+    assert (installed / "fleettop/tui/fleettop.tcss").exists()
+    assert (installed / "fleettop/probes/sensors/ebpf.c").exists()
+    assert (installed / "fleettop/supervisor/web/page.html").exists()
+
+
+def test_import_contracts_hold(installed: Path, tmp_path: Path) -> None:
+    """The layers and the UI/core separation of pyproject's [tool.importlinter]. Checked on a
+    regular install: import-linter cannot see the folders an editable install maps."""
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
     if lint is None:
         pytest.skip("import-linter is not installed (pip install -e .[test])")
     run = subprocess.run([lint, "--no-cache", str(ROOT / "pyproject.toml")], cwd=tmp_path,
                          capture_output=True, text=True, env={**os.environ,
-                                                              "PYTHONPATH": str(target)})
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+                                                              "PYTHONPATH": str(installed)})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "BROKEN" not in run.stdout and "KEPT" in run.stdout, run.stdout[-3000:]
+
+
+CYCLES = """
+import sys, grimp
+graph = grimp.build_graph("fleettop", cache_dir=None, exclude_type_checking_imports=True)
+index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+sys.setrecursionlimit(10000)
+def visit(v):
+    index[v] = low[v] = n[0]; n[0] += 1; stack.append(v); on.add(v)
+    for w in graph.find_modules_directly_imported_by(v):
+        if w not in index:
+            visit(w); low[v] = min(low[v], low[w])
+        elif w in on:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        comp = []
+        while True:
+            w = stack.pop(); on.discard(w); comp.append(w)
+            if w == v:
+                break
+        if len(comp) > 1:
+            out.append(sorted(comp))
+for m in sorted(graph.modules):
+    if m not in index:
+        visit(m)
+print(len(graph.modules), out)
+"""
+
+
+def test_no_import_cycles(installed: Path) -> None:
+    """No module imports itself through others, lazy imports included (grimp's graph of every
+    import statement that runs; strongly connected components of more than one module).
+    Imports under `if TYPE_CHECKING:` are left out: core/spawn.py and its siblings name the
+    Supervisor in annotations only."""
+    pytest.importorskip("grimp", reason="grimp comes with import-linter (pip install -e .[test])")
+    run = subprocess.run([sys.executable, "-c", CYCLES], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(installed)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    count, cycles = run.stdout.split(" ", 1)
+    assert int(count) > 90, run.stdout  # the whole tree was read
+    assert cycles.strip() == "[]", cycles

@@ -102,7 +102,9 @@ def test_non_leaks_are_not(kind, seed):
 
 def test_fast_leak_declared_within_90s_of_onset():
     _, trips = run(trace("leak_1mib_s_after_10min", 4))
-    assert trips[0].t - 600 <= 90
+    assert trips, "the leak was never declared"
+    # After the onset (a verdict before it would be a false alarm) and within the bound.
+    assert 600 < trips[0].t <= 690, [(tr.t, tr.reason) for tr in trips]
 
 
 def test_bounded_cache_fill_warns_at_most_and_clears():

@@ -63,10 +63,15 @@ def test_loops_are_caught_soon_after_onset(corpus):
 
 
 def test_verdict_does_not_depend_on_chunking(corpus):
-    for s in corpus[::25]:
+    sample = corpus[::25]
+    tripped = 0
+    for s in sample:
         verdicts = {None if (t := stream(s["text"], seed)) is None else t.evidence["tier"]
                     for seed in (1, 2, 3)}
         assert len(verdicts) == 1, s["id"]
+        tripped += verdicts != {None}
+    # Not vacuous: the sample holds loops that trip (under every chunking) and texts that don't.
+    assert 0 < tripped < len(sample), (tripped, len(sample))
 
 
 def test_normaliser_is_incremental():
