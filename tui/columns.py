@@ -23,7 +23,7 @@ class Column:
 
 
 def _num(field: str) -> Callable[[Agent], float]:
-    return lambda a: float(a.get(field) if a.get(field) is not None else -1)
+    return lambda a: float(a[field]) if a.get(field) is not None else -1.0
 
 
 def _pid(a: Agent) -> str:

@@ -168,7 +168,8 @@ class LeakPanel(Panel):
 
     def build(self, snapshot: dict[str, Any], now: float) -> Text:
         agents = snapshot.get("agents") or []
-        leaks = snapshot.get("leaks") if isinstance(snapshot.get("leaks"), dict) else {}
+        leaks: dict[str, Any] = (snapshot["leaks"] if isinstance(snapshot.get("leaks"), dict)
+                                 else {})
         fitted = [a for a in agents if a.get("leak_slope_bytes_per_s") is not None
                   or str(a.get("name")) in leaks]
         if not fitted:
@@ -179,8 +180,8 @@ class LeakPanel(Panel):
         out = Text()
         for a in fitted:
             name = str(a.get("name"))
-            fit = leaks.get(name) or {}
-            samples = [float(x) for x in fit.get("samples") or self._rss.get(name, [])]
+            fit: dict[str, Any] = leaks.get(name) or {}
+            samples = [float(x) for x in fit.get("samples") or self._rss.get(name) or []]
             slope = fit.get("slope_bytes_per_s", a.get("leak_slope_bytes_per_s"))
             r2 = fit.get("r2", a.get("leak_r2"))
             ttl = fit.get("time_to_limit_s", a.get("leak_time_to_limit_s"))
@@ -210,7 +211,8 @@ class EventsPanel(Panel):
             return Text(not_available(snapshot, "events", "no event feed"), style="dim")
         out = Text(no_wrap=True, overflow="ellipsis")
         for e in fmt.newest_first(events, limit):
-            out.append(fmt.event_line(e) + "\n", style=self.KIND_STYLES.get(e.get("kind"), ""))
+            out.append(fmt.event_line(e) + "\n",
+                       style=self.KIND_STYLES.get(str(e.get("kind")), ""))
         if not events:
             out.append("no events yet", style="dim")
         out.rstrip()

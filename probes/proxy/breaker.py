@@ -29,7 +29,7 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
@@ -53,6 +53,11 @@ from fleettop.supervisor.detect.trip import Trip
 
 log = logging.getLogger("fleettop.proxy")
 Report = Callable[[dict[str, Any]], None]
+
+
+class Commanded(Protocol):
+    def command(self, cmd: dict[str, Any]) -> None: ...
+
 # Chunks are parsed in batches of this many bytes, and the text they hold is booked in batches
 # of this many chars (ring, detector, budget): fixed costs per call are most of the cost of a
 # one-token event. A trip comes at most that much later (the batch is handled inline, by the
@@ -451,7 +456,7 @@ def _redacted_evidence(evidence: dict[str, Any]) -> dict[str, Any]:
     return redact_json(evidence)
 
 
-def stdin_commands(addon: FleettopProxy, loop: asyncio.AbstractEventLoop, stream: Any,
+def stdin_commands(addon: Commanded, loop: asyncio.AbstractEventLoop, stream: Any,
                    on_eof: Any = None) -> threading.Thread:
     """Read JSON-line commands from `stream` in a thread and run them on the proxy's loop;
     `on_eof` runs there when the stream ends (the supervisor is gone)."""

@@ -199,7 +199,7 @@ class FleettopGpu:
             p.routed = choice.name
             self.counts["routed"] += 1
             changed = True
-        model = body.get("model") if isinstance(body.get("model"), str) else "?"
+        model = str(body["model"]) if isinstance(body.get("model"), str) else "?"
         backend = self._gpu_backend(flow.request.url)
         gate = self.gate
         if backend is not None and gate is not None and self.cfg.agents.get(name) == "shared":

@@ -40,7 +40,7 @@ def merge_reads(enable: bool = True) -> bool:
     cls = _http1.Http1Connection
     if not enable:
         if _original is not None:
-            cls.read_body = _original
+            cls.read_body = _original  # type: ignore[method-assign]
             _original = None
         return False
     if _original is not None:
@@ -91,7 +91,7 @@ def merge_reads(enable: bool = True) -> bool:
                 return
 
     _original = cls.read_body
-    cls.read_body = read_body
+    cls.read_body = read_body  # type: ignore[method-assign]
     return True
 
 

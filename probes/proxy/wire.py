@@ -21,7 +21,7 @@ import zstandard
 
 # The decoder's own scanner (C), without decode()'s two whitespace regex matches per call:
 # on str, since json.loads(bytes) first sniffs the encoding.
-_scan = json.scanner.make_scanner(json.JSONDecoder())
+_scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 MAX_JSON_BODY = 8 * 1024 * 1024
 MAX_LINE = 4 * 1024 * 1024
 
@@ -331,7 +331,7 @@ class ResponseParser:
         self.decoded_bytes += len(data)
         if not data or self.framing == "other":
             return []
-        self.info.texts = texts = []  # this chunk's deltas (a stream's would grow forever)
+        self.info.texts = texts = list[str]()  # this chunk's deltas (a stream's would grow forever)
         if (self.framing == "sse" and data[:6] == b"data: " and data[-2:] == b"\n\n"
                 and not self._sse_data and not self.lines._buf and b"\r" not in data):
             # Fast path, the usual shape: whole events of one `data:` line each. Every newline
@@ -410,7 +410,7 @@ class ResponseParser:
 
     def finish(self) -> list[str]:
         """End of body: flush a trailing line/event, parse a buffered JSON body."""
-        self.info.texts = texts = []
+        self.info.texts = texts = list[str]()
         try:
             if self.framing == "json" and self._body:
                 self._json(bytes(self._body))

@@ -68,7 +68,7 @@ def import_bcc() -> Any:
     bcc is not on PyPI; Debian's python3-bpfcc is pure Python over libbcc.so.
     """
     try:
-        import bcc  # type: ignore[import-not-found]
+        import bcc
 
         return bcc
     except ImportError:
@@ -76,7 +76,7 @@ def import_bcc() -> Any:
     if DIST_PACKAGES not in sys.path and os.path.isdir(DIST_PACKAGES):
         sys.path.append(DIST_PACKAGES)
     try:
-        import bcc  # type: ignore[import-not-found]
+        import bcc
     except ImportError as exc:
         raise ProbeUnavailable(
             f"bcc missing ({exc}); install python3-bpfcc (see .ci/install-bpf.sh)"
@@ -307,9 +307,10 @@ class KernelProbe:
             row.update(rss_file=0, rss_anon=0, rss_swap=0, rss_shmem=0, pids=[])
             by_slot[slot] = row
         for k, v in self._procs_items():
-            row = by_slot.get(v.agent)
-            if row is None:
+            found = by_slot.get(v.agent)
+            if found is None:
                 continue
+            row = found
             row["pids"].append(k if isinstance(k, int) else k.value)
             row["rss_file"] += max(v.rss[0], 0)
             row["rss_anon"] += max(v.rss[1], 0)

@@ -148,9 +148,10 @@ class TelemetrySource:
                                     stderr=subprocess.PIPE)
         except OSError as exc:
             return f"cannot start the eBPF loader: {exc}"
-        assert proc.stdout is not None
+        stdout = proc.stdout
+        assert stdout is not None
         first: list[bytes] = []
-        reader = threading.Thread(target=lambda: first.append(proc.stdout.readline()),
+        reader = threading.Thread(target=lambda: first.append(stdout.readline()),
                                   daemon=True)
         reader.start()
         reader.join(LOAD_TIMEOUT_S)

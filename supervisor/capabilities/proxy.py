@@ -137,7 +137,8 @@ class ProxyBreaker(Capability):
         stats = self.stats.get(name)
         if not stats:
             return {}
-        out = {"proxy": {k: stats.get(k) for k in _STAT_FIELDS if k != "text_tail"}}
+        out: dict[str, Any] = {"proxy": {k: stats.get(k) for k in _STAT_FIELDS
+                                         if k != "text_tail"}}
         # The flat per-agent fields the UI, the web view and /metrics read.
         out.update(tokens_in=stats.get("tokens_in"), tokens_out=stats.get("tokens_out"),
                    cost_usd=stats.get("cost"), requests=stats.get("requests"),
@@ -206,8 +207,8 @@ class ProxyBreaker(Capability):
 
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
-        agent = event.get("agent")
-        if kind in ("proxy.stats", "proxy.dump"):
+        agent = str(event.get("agent") or "")
+        if kind in ("proxy.stats", "proxy.dump") and agent:
             self.stats[agent] = event
             self._remember(agent, event)
         elif kind == "breaker.trip":

@@ -122,7 +122,7 @@ class TelemetryWatch(Capability):
             state = getattr(rt.state, "value", rt.state)
             live = state in WATCHED_STATES and rt.pid is not None
             w = self._watches.get(name)
-            if live and (w is None or w.pid != rt.pid):
+            if live and rt.pid is not None and (w is None or w.pid != rt.pid):
                 self._watches[name] = self._new_watch(rt)
                 self.source.watch(name, rt.pid, getattr(rt, "cgroup", None))
             elif not live and w is not None:

@@ -223,7 +223,7 @@ def check_ports(args: argparse.Namespace) -> Check:
         fleet = _fleet(args)
         proxy = getattr(fleet, "proxy", None) if fleet is not None else None
         port = getattr(proxy, "port", None)
-        if port is None and hasattr(proxy, "get"):
+        if port is None and isinstance(proxy, dict):
             port = proxy.get("port")
         if port:
             ports.append(int(port))

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,7 +23,7 @@ from fleettop.supervisor.config.fleet import Fleet
 from fleettop.supervisor.control.server import ControlServer
 from fleettop.supervisor.core.supervisor import Supervisor
 
-Frontend = Callable[[Supervisor], Awaitable[str | None]]
+Frontend = Callable[[Supervisor], Coroutine[Any, Any, str | None]]
 
 
 class AlreadyRunning(Exception):

@@ -164,7 +164,7 @@ class AgentSpec(Strict):
     base_url: str | None = None
     gpu: GpuMode = "none"
     """exclusive: hold the GPU lock for the whole run; shared: the proxy serialises requests."""
-    breaker: AgentBreakerSection | None = None  # type: ignore[valid-type]
+    breaker: AgentBreakerSection | None = None
     """Per-agent overrides of the fleet's `breaker:` thresholds."""
 
     @field_validator("cmd")

@@ -116,7 +116,7 @@ def _model_at(path: tuple[str | int, ...]) -> type[BaseModel] | None:
         if nxt is None:
             return None
         model, i = nxt, i + 1
-    return model
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
 def _position(c: _Composer, loc: tuple[str | int, ...], key: bool) -> tuple[int, int]:

@@ -61,7 +61,8 @@ class LeakSection(BaseModel):
     policy: Literal["off", "warn", "freeze"] = "warn"
     horizon: float = 20 * 60.0
     """Freeze (with policy freeze) when the projected time to the limit is shorter."""
-    metrics: list[Literal["rss", "vram"]] = Field(default_factory=lambda: ["rss", "vram"])
+    metrics: list[Literal["rss", "vram"]] = Field(
+        default_factory=lambda: list[Literal["rss", "vram"]](["rss", "vram"]))
     eval_interval: float = 5.0
     persistence: int = Field(2, ge=1)
 

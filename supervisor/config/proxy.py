@@ -185,9 +185,13 @@ def _partial(model: type[BaseModel], name: str) -> type[BaseModel]:
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             ann = _partial(ann, f"Agent{ann.__name__}")
-        fields[fname] = (ann | None, None)
+        fields[fname] = (ann | None, None)  # type: ignore[operator]
     return create_model(name, __base__=_Model, **fields)
 
 
-AgentBreakerSection = _partial(BreakerSection, "AgentBreakerSection")
+if TYPE_CHECKING:
+    class AgentBreakerSection(BreakerSection):
+        """For type checkers: at run time every field is optional (made below)."""
+else:
+    AgentBreakerSection = _partial(BreakerSection, "AgentBreakerSection")
 AgentBreakerSection.__doc__ = "An agent's `breaker:` key: any BreakerSection field, all optional."

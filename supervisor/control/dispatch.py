@@ -25,7 +25,7 @@ def _pid(req: dict[str, Any]) -> int | None:
 
 async def dispatch(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
     cmd = req.get("cmd")
-    name = req.get("name")
+    name = str(req["name"]) if req.get("name") is not None else None
     try:
         if cmd == "status":
             # The web token is for the socket's owner only: never part of the snapshot,
@@ -49,13 +49,13 @@ async def dispatch(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
             return await sup.resume_agent(name, reason, source=req.get("source", "user"))
         if cmd in ("restart", "stop", "start", "logs") and not name:
             return {"ok": False, "error": f"{cmd} needs an agent name"}
-        if cmd == "restart":
+        if cmd == "restart" and name:
             return await sup.restart_agent(name)
-        if cmd == "stop":
+        if cmd == "stop" and name:
             return await sup.stop_agent(name, sig=req.get("signal"))
-        if cmd == "start":
+        if cmd == "start" and name:
             return await sup.start_agent(name)
-        if cmd == "logs":
+        if cmd == "logs" and name:
             rt = sup.agents.get(name)
             if rt is None:
                 return {"ok": False, "error": f"no agent named {name!r}"}

@@ -26,18 +26,23 @@ class Capability(Protocol):
 
     def agent_env(self, spec: AgentSpec, env: dict[str, str]) -> None:
         """Add to an agent's environment, just before each start."""
+        return None
 
     async def before_start(self, rt: AgentRuntime) -> None:
         """Before each start; may wait (for the GPU lock) or raise SkipStart."""
+        return None
 
     def after_exit(self, rt: AgentRuntime) -> None:
         """After each run ends, or after a start that failed."""
+        return None
 
     async def before_resume(self, name: str) -> None:
         """Just before a frozen agent is thawed (e.g. lift the proxy's block first)."""
+        return None
 
     async def after_reload(self, fleet: Fleet) -> None:
         """After the fleet file was re-read, before changed agents restart."""
+        return None
 
     def agent_fields(self, name: str) -> dict[str, Any]:
         """Extra fields of one agent's row in the snapshot."""
@@ -53,3 +58,4 @@ class Capability(Protocol):
 
     async def stop(self) -> None:
         """After every agent has stopped; capabilities stop in reverse order of adding."""
+        return None

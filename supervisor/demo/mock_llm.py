@@ -150,7 +150,7 @@ class MockLLM:
             return bad_request(api, "model is required")
         self.state.requests[base_model(body["model"])] += 1
         request[_MODEL_KEY] = body["model"]
-        options = body.get("options") if isinstance(body.get("options"), dict) else {}
+        options: dict[str, Any] = body["options"] if isinstance(body.get("options"), dict) else {}
         request[_LIMITS_KEY] = {k: v for k, v in (
             ("max_tokens", body.get("max_tokens")),
             ("max_completion_tokens", body.get("max_completion_tokens")),

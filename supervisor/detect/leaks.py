@@ -157,7 +157,8 @@ def _median3(y: np.ndarray) -> np.ndarray:
     if len(y) < 3:
         return y
     padded = np.concatenate(([y[0]], y, [y[-1]]))
-    return np.median(np.stack([padded[:-2], padded[1:-1], padded[2:]]), axis=0)
+    out: np.ndarray = np.median(np.stack([padded[:-2], padded[1:-1], padded[2:]]), axis=0)
+    return out
 
 
 def leak_fit(samples: Sequence[tuple[float, float]] | np.ndarray, rule: WindowRule = MEDIUM,

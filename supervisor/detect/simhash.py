@@ -66,7 +66,8 @@ def mix(z: np.ndarray) -> np.ndarray:
     z = z + _SM1
     z = (z ^ (z >> np.uint64(30))) * _SM2
     z = (z ^ (z >> np.uint64(27))) * _SM3
-    return z ^ (z >> np.uint64(31))
+    out: np.ndarray = z ^ (z >> np.uint64(31))
+    return out
 
 
 def gram_hashes(text: str, n: int = 5) -> np.ndarray:
