@@ -24,7 +24,7 @@ ls -d /usr/src/linux-headers-*-amd64 >/dev/null 2>&1 || need="$need linux-header
 if [ -n "$need" ]; then
     say "installing:$need"
     # stdin closed: a prompt must never hang CI.
-    if ! { apt-get update -q && apt-get install -y -q --no-install-recommends $need; } </dev/null; then
+    if ! { apt-get -o DPkg::Lock::Timeout=300 update -q && apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends $need; } </dev/null; then
         say "apt-get install failed: skipping"
         exit 0
     fi

@@ -15,7 +15,7 @@ ensure_venv() {
         if ! "$PY" -m venv .venv 2>/dev/null; then
             rm -rf .venv
             if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-                apt-get install -y -q python3-venv </dev/null >/dev/null || true
+                apt-get -o DPkg::Lock::Timeout=300 install -y -q python3-venv </dev/null >/dev/null || true
             fi
             "$PY" -m venv .venv || { echo "cannot create a venv: install python3-venv" >&2; exit 1; }
         fi
