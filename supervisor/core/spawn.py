@@ -171,7 +171,7 @@ def spawn(sup: Supervisor, rt: AgentRuntime) -> None:
     loop = asyncio.get_running_loop()
     for fd, stream in ((out_r, "out"), (err_r, "err")):
         os.set_blocking(fd, False)
-        loop.add_reader(fd, sup._on_output, rt, fd, stream)
+        loop.add_reader(fd, on_output, sup, rt, fd, stream)
     sup._pipes[rt.name] = [out_r, err_r]
     pidfd = os.pidfd_open(popen.pid)
     sup._pidfds[rt.name] = pidfd
@@ -199,3 +199,32 @@ def setpriv_usable() -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return "--pdeathsig" in out.stdout and "--init-groups" in out.stdout
+
+
+def on_output(sup: Supervisor, rt: AgentRuntime, fd: int, stream: str) -> None:
+    try:
+        data = os.read(fd, 65536)
+    except BlockingIOError:
+        return
+    except OSError:
+        data = b""
+    if not data:
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+        with contextlib.suppress(KeyError, ValueError):
+            sup._pipes[rt.name].remove(fd)
+        return
+    if rt.log is not None:
+        rt.log.write(data, stream)
+
+
+def drain_pipes(sup: Supervisor, rt: AgentRuntime) -> None:
+    for fd in list(sup._pipes.get(rt.name, [])):
+        # Read what's buffered, but a grandchild may still hold the pipe open: don't wait.
+        with contextlib.suppress(OSError):
+            while True:
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                if rt.log is not None:
+                    rt.log.write(data, "out")

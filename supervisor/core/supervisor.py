@@ -13,15 +13,12 @@ import os
 import signal
 import time
 from collections import deque
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from croniter import croniter
-
 from fleettop.supervisor.base import paths
 from fleettop.supervisor.config.fleet import Fleet
-from fleettop.supervisor.core import cgroups, freeze, health, proctree, spawn
+from fleettop.supervisor.core import cgroups, freeze, health, proctree, schedule, spawn
 from fleettop.supervisor.core.agent import AgentRuntime, AgentState, backoff_delay
 from fleettop.supervisor.core.capability import Capability, SkipStart
 from fleettop.supervisor.core.events import Event
@@ -124,7 +121,7 @@ class Supervisor:
                     rt.reason = "disabled in the fleet file"
                     continue
                 if rt.spec.schedule:
-                    self._schedule_next(rt)
+                    schedule.schedule_next(self, rt)
                 else:
                     starts.append(self._start_task(rt, "fleet start"))
             # A start can wait (for the GPU lock): the rest of its level goes on meanwhile,
@@ -172,7 +169,7 @@ class Supervisor:
                 if rt.spec.schedule:
                     if rt.state is not AgentState.SCHEDULED:
                         self._set_state(rt, AgentState.SCHEDULED, str(skip))
-                    self._schedule_next(rt)
+                    schedule.schedule_next(self, rt)
                 return
         self._set_state(rt, AgentState.STARTING, why)
         try:
@@ -193,34 +190,7 @@ class Supervisor:
         if rt.spec.health is not None:
             self._spawn_task(health.watch_health(self, rt, rt.run_id))
         if rt.spec.schedule:
-            self._schedule_next(rt)  # the next slot is watched even while this run goes on
-
-    def _on_output(self, rt: AgentRuntime, fd: int, stream: str) -> None:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            asyncio.get_running_loop().remove_reader(fd)
-            os.close(fd)
-            with contextlib.suppress(KeyError, ValueError):
-                self._pipes[rt.name].remove(fd)
-            return
-        if rt.log is not None:
-            rt.log.write(data, stream)
-
-    def _drain_pipes(self, rt: AgentRuntime) -> None:
-        for fd in list(self._pipes.get(rt.name, [])):
-            # Read what's buffered, but a grandchild may still hold the pipe open: don't wait.
-            with contextlib.suppress(OSError):
-                while True:
-                    data = os.read(fd, 65536)
-                    if not data:
-                        break
-                    if rt.log is not None:
-                        rt.log.write(data, "out")
+            schedule.schedule_next(self, rt)  # the next slot is watched even while this run goes on
 
     def _on_exit(self, rt: AgentRuntime, pid: int) -> None:
         loop = asyncio.get_running_loop()
@@ -235,7 +205,7 @@ class Supervisor:
             code = -1
         if rt.popen is not None:
             rt.popen.returncode = code
-        self._drain_pipes(rt)
+        spawn.drain_pipes(self, rt)
         if self.reaper:
             self.reaper.untrack(pid)
         rt.exit_code = code
@@ -264,7 +234,7 @@ class Supervisor:
             return
         if rt.spec.schedule:
             self._set_state(rt, AgentState.SCHEDULED, f"last run: {desc}", exit_code=code)
-            self._schedule_next(rt)
+            schedule.schedule_next(self, rt)
             return
         failed = code != 0
         policy = rt.spec.restart
@@ -314,33 +284,6 @@ class Supervisor:
         return task
 
     # ---- cron -----------------------------------------------------------------------------
-
-    def _schedule_next(self, rt: AgentRuntime) -> None:
-        assert rt.spec.schedule
-        now = datetime.now().astimezone()
-        nxt = croniter(rt.spec.schedule, now).get_next(float)
-        rt.next_run = nxt
-        if rt.state is not AgentState.SCHEDULED and rt.state is not AgentState.RUNNING:
-            self._set_state(rt, AgentState.SCHEDULED, "next run at "
-                            + time.strftime("%H:%M:%S", time.localtime(nxt)), next_run=nxt)
-        old = self._timers.pop(rt.name, None)
-        if old is not None:
-            old.cancel()
-        self._timers[rt.name] = asyncio.get_running_loop().call_later(
-            max(0.0, nxt - time.time()), self._cron_due, rt)
-
-    def _cron_due(self, rt: AgentRuntime) -> None:
-        self._timers.pop(rt.name, None)
-        if rt.state in (AgentState.RUNNING, AgentState.FROZEN, AgentState.STARTING,
-                        AgentState.STOPPING):
-            # Never stack runs: the one still going keeps the slot; this one is skipped.
-            self.emit("agent.skipped", rt.name, f"previous run still {rt.state.value} "
-                      f"(pid {rt.pid}) when the next was due", due=time.time())
-            self._schedule_next(rt)
-            return
-        if rt.state is AgentState.STOPPED and rt.stop_requested:
-            return
-        self._start_task(rt, "cron schedule")
 
     # ---- freeze / resume ----------------------------------------------------------------
 
@@ -447,7 +390,7 @@ class Supervisor:
                 await self.stop_agent(name, reason="disabled in the fleet file")
             elif rt.spec.schedule and rt.pid is None:
                 await self.stop_agent(name, reason="schedule changed")
-                self._schedule_next(rt)
+                schedule.schedule_next(self, rt)
             else:
                 await self.restart_agent(name, why="its entry in the fleet file changed")
         for name in added:
@@ -455,7 +398,7 @@ class Supervisor:
             if not rt.spec.enabled:
                 rt.reason = "disabled in the fleet file"
             elif rt.spec.schedule:
-                self._schedule_next(rt)
+                schedule.schedule_next(self, rt)
             else:
                 await health.dependencies_ready(self, sorted(rt.spec.depends_on))
                 self._start_task(rt, "added to the fleet file")

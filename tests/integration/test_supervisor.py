@@ -204,6 +204,27 @@ async def test_cron_run_still_going_is_skipped_not_stacked(tmp_path: Path) -> No
                        "back to scheduled")
 
 
+async def test_a_frozen_cron_agent_keeps_its_schedule(tmp_path: Path) -> None:
+    """A due slot while the run is frozen is skipped with an event (it was an
+    IllegalTransition frozen → scheduled that ended the schedule); the timer stays armed,
+    and after the resume the run finishes and the agent is scheduled again."""
+    text = ("agents:\n  nightly:\n    cmd: [sh, -c, 'echo run; sleep 3']\n"
+            "    schedule: '* * * * * *'\n")
+    async for sup in running(tmp_path, text):
+        rt = sup.agents["nightly"]
+        await wait_for(lambda: rt.state is AgentState.RUNNING, 8, "first run")
+        assert (await sup.freeze_agent("nightly", "test"))["ok"]
+        await wait_for(lambda: any("still frozen" in e.reason
+                                   for e in kinds(sup, "agent.skipped", "nightly")), 8,
+                       "a slot skipped while frozen")
+        assert rt.state is AgentState.FROZEN and "nightly" in sup._timers
+        due = rt.next_run
+        await wait_for(lambda: rt.next_run != due, 5, "the timer re-armed")
+        assert (await sup.resume_agent("nightly", "test"))["ok"]
+        await wait_for(lambda: rt.state is AgentState.SCHEDULED and rt.exit_code == 0, 10,
+                       "scheduled again after the resumed run ended")
+
+
 async def test_freeze_an_external_pid(tmp_path: Path) -> None:
     ext = subprocess.Popen(["sleep", "100"])
     try:
