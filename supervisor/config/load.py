@@ -49,6 +49,36 @@ class FleetError(Exception):
 Marks = dict[tuple[str | int, ...], tuple[int, int]]
 
 
+MAX_FILE_BYTES = 4 << 20
+"""A fleet of a thousand agents is ~200 KiB; past this the file is refused unread."""
+MAX_DEPTH = 64
+"""Nesting of mappings and lists; the real schema goes 5 deep."""
+MAX_VALUES = 200_000
+"""Values built from the file, aliases expanded: an alias bomb stops here, not at 2 GB."""
+
+
+class _Hostile(Exception):
+    """The file is past a limit: reported as one problem at this node."""
+
+    def __init__(self, node: yaml.Node | yaml.Event | yaml.Mark, message: str) -> None:
+        mark = node if isinstance(node, yaml.Mark) else node.start_mark
+        super().__init__(message)
+        self.line, self.col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+
+
+def _check_shape(text: str) -> None:
+    """Depth first, from the event stream (no recursion): PyYAML's composer recurses once
+    per level and would die of a RecursionError on a deep file."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _Hostile(event, f"nested more than {MAX_DEPTH} levels deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
 class _Composer:
     """Turns YAML nodes into plain data and remembers where each key and value sits."""
 
@@ -57,6 +87,34 @@ class _Composer:
         self.marks: Marks = {}
         self.key_marks: Marks = {}
         self.problems: list[Problem] = []
+
+    def measure(self, root: yaml.Node) -> None:
+        """Count the values the file expands to, each node's once (aliases share nodes), and
+        find an alias that refers to a value containing it, before building anything."""
+        sizes: dict[int, int] = {}
+        open_: set[int] = set()
+
+        def size(node: yaml.Node) -> int:
+            key = id(node)
+            if key in sizes:
+                return sizes[key]
+            if key in open_:
+                raise _Hostile(node, "an alias refers to a value that contains it "
+                                     "(a recursive alias)")
+            n = 1
+            if isinstance(node, yaml.CollectionNode):
+                open_.add(key)
+                items = node.value if isinstance(node, yaml.SequenceNode) else [
+                    part for pair in node.value for part in pair]
+                n += sum(size(item) for item in items)
+                open_.discard(key)
+            if n > MAX_VALUES:
+                raise _Hostile(node, f"more than {MAX_VALUES} values once aliases are "
+                                     "expanded (an alias bomb?)")
+            sizes[key] = n
+            return n
+
+        size(root)
 
     def build(self, node: yaml.Node, path: tuple[str | int, ...]) -> Any:
         self.marks[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
@@ -147,7 +205,11 @@ def _message(err: Any) -> str:
 
 def parse_fleet(text: str, file: str = "fleet.yaml") -> Fleet:
     c = _Composer(file)
+    if len(text) > MAX_FILE_BYTES:
+        raise FleetError([Problem(file, 1, 1, "", f"the fleet file is {len(text) >> 20} MiB: "
+                                  f"more than {MAX_FILE_BYTES >> 20} MiB is refused")])
     try:
+        _check_shape(text)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -158,12 +220,18 @@ def parse_fleet(text: str, file: str = "fleet.yaml") -> Fleet:
         raise FleetError([Problem(file, line, col, "", msg)]) from None
     except yaml.YAMLError as exc:
         raise FleetError([Problem(file, 1, 1, "", f"YAML error: {exc}")]) from None
+    except _Hostile as exc:
+        raise FleetError([Problem(file, exc.line, exc.col, "", str(exc))]) from None
     if root is None:
         raise FleetError([Problem(file, 1, 1, "", "the fleet file is empty: it needs `agents:`")])
     if not isinstance(root, yaml.MappingNode):
         line, col = root.start_mark.line + 1, root.start_mark.column + 1
         raise FleetError([Problem(file, line, col, "", "the fleet file must be a mapping")])
-    data = c.build(root, ())
+    try:
+        c.measure(root)
+        data = c.build(root, ())
+    except _Hostile as exc:
+        raise FleetError([Problem(file, exc.line, exc.col, "", str(exc))]) from None
     problems = list(c.problems)
 
     agents = data.get("agents")
@@ -283,6 +351,10 @@ def _find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
 def load_fleet(path: str | os.PathLike[str]) -> Fleet:
     file = str(path)
     try:
+        size = os.stat(path).st_size
+        if size > MAX_FILE_BYTES:  # refused unread: a 50 MB file once took minutes and GBs
+            raise FleetError([Problem(file, 1, 1, "", f"the fleet file is {size >> 20} MiB: "
+                                      f"more than {MAX_FILE_BYTES >> 20} MiB is refused")])
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FleetError([Problem(file, 1, 1, "", "no such file")]) from None

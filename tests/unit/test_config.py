@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleettop.supervisor.config.load import FleetError, parse_fleet
+from fleettop.supervisor.config.load import FleetError, load_fleet, parse_fleet
 from fleettop.supervisor.config.units import parse_duration, parse_size, parse_time_of_day
 from tests.support.processes import FLEETTOP
 
@@ -153,3 +153,37 @@ def test_root_demo_fleet_is_valid() -> None:
     run = subprocess.run([*FLEETTOP, "check", str(ROOT / "fleet.yaml")], capture_output=True,
                          text=True)
     assert run.returncode == 0, run.stderr
+
+
+HOSTILE = {
+    "recursive alias": ("agents: &a\n  x: *a\n", "1:9: ", "recursive alias"),
+    "recursive list": ("a: &x [1, *x]\nagents: {}\n", "1:4: ", "recursive alias"),
+    "5,000 levels": ("agents:\n  a: {cmd: x, env: " + "[" * 5000 + "]" * 5000 + "}\n",
+                     "2:81: ", "nested more than 64 levels deep"),
+    "alias bomb": ("a: &a [x, x, x, x, x, x, x, x, x]\n"
+                   + "".join(f"{k}: &{k} [{', '.join([f'*{prev}'] * 9)}]\n"
+                             for prev, k in zip("abcdef", "bcdefg", strict=True))
+                   + "agents: {}\n", "6:4: ", "an alias bomb"),
+    "5 MiB": ("agents: {}\n#" + "x" * (5 << 20) + "\n", "1:1: ", "more than 4 MiB is refused"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_yaml_is_refused_with_a_position(name: str) -> None:
+    """Limits, not tracebacks: recursive aliases, deep nesting, alias bombs and huge files
+    each give one problem with its place (they gave RecursionError, 100% CPU, 1.9 GB)."""
+    text, where, message = HOSTILE[name]
+    with pytest.raises(FleetError) as info:
+        parse_fleet(text, "f.yaml")
+    lines = [str(p) for p in info.value.problems]
+    assert len(lines) == 1 and lines[0].startswith(f"f.yaml:{where}") and message in lines[0], \
+        lines
+
+
+def test_a_huge_fleet_file_is_refused_unread(tmp_path: Path) -> None:
+    big = tmp_path / "fleet.yaml"
+    with open(big, "wb") as fh:
+        fh.truncate(50 << 20)  # sparse: 50 MB of nothing, never read
+    with pytest.raises(FleetError) as info:
+        load_fleet(big)
+    assert "50 MiB: more than 4 MiB is refused" in str(info.value)
