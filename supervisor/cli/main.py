@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fleettop",
         description="htop for a fleet of local AI agents, with a circuit breaker. "
                     "`fleettop FILE` opens the terminal UI on the fleet in FILE.")
+    parser.add_argument("--version", action="version", version=f"fleettop {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     ui = sub.add_parser("ui", help="open the terminal UI (the default: `fleettop FILE`)")
@@ -130,8 +131,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `ctl status --json | head`: the reader left. Quietly, as coreutils do; stdout is
+        # pointed at /dev/null so the interpreter's own flush at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     build_parser().print_help()
     return 2
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fleettop")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _subcommands() -> set[str]:

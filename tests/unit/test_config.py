@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -187,3 +188,24 @@ def test_a_huge_fleet_file_is_refused_unread(tmp_path: Path) -> None:
     with pytest.raises(FleetError) as info:
         load_fleet(big)
     assert "50 MiB: more than 4 MiB is refused" in str(info.value)
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    """`fleettop ctl status --json | head`: the pipe closes under the writer (it printed a
+    BrokenPipeError traceback)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("agents:\n  a: {cmd: [sleep, '1']}\n")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        run = subprocess.run([*FLEETTOP, "check", str(fleet)], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr, run.stderr
+    assert run.returncode == 141
+
+
+def test_version() -> None:
+    run = subprocess.run([*FLEETTOP, "--version"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("fleettop "), run.stdout + run.stderr
