@@ -3,6 +3,8 @@
     fleettop lock run [--timeout 10m] [--name digest] [--model qwen2.5:7b] [-f fleet.yaml] -- CMD...
     fleettop lock status [--json] [-f fleet.yaml]
 
+Without `-f`/`--dir` the queue is the fleet's that this runs in, else the one of ./fleet.yaml
+(as `ctl` does), else a queue per user; both verbs say which they used.
 `lock run` exits with CMD's status; if the lock isn't granted in time it exits 75 (EX_TEMPFAIL)
 and says the run was skipped — a cron job simply tries again at its next tick. CMD gets
 PR_SET_PDEATHSIG, so killing `lock run` (which frees the lock) also stops CMD: nothing keeps
@@ -22,11 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from fleettop.supervisor.gpu.lock import ENV_LOCK_DIR, GpuLock, LockTimeout, default_folder, status
+from fleettop.supervisor.gpu.lock import fleet_lock_folder as lock_folder_of
 
 EXIT_SKIPPED = 75
 """EX_TEMPFAIL: not granted in time; skipped this run."""
 
 _PR_SET_PDEATHSIG = 1
+DEFAULT_FLEET = "fleet.yaml"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -51,28 +55,29 @@ def _folder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="lock folder (overrides -f)")
 
 
-def resolve_folder(args: argparse.Namespace) -> Path:
+def resolve_folder(args: argparse.Namespace) -> tuple[Path, str]:
+    """The lock queue to use, and what chose it: `--dir`, else `-f FILE`'s fleet, else the
+    fleet this runs inside ($FLEETTOP_GPU_LOCK_DIR), else ./fleet.yaml's fleet (as `ctl`
+    does), else one queue per user."""
     if getattr(args, "dir", None):
-        return Path(args.dir)
-    if getattr(args, "file", None):
-        return fleet_lock_folder(args.file)
+        return Path(args.dir), "--dir"
+    file = getattr(args, "file", None)
+    if file:
+        return fleet_lock_folder(file), f"the fleet of {file}"
     if os.environ.get(ENV_LOCK_DIR):
-        return Path(os.environ[ENV_LOCK_DIR])
-    return default_folder()
+        return Path(os.environ[ENV_LOCK_DIR]), f"${ENV_LOCK_DIR}"
+    if os.path.exists(DEFAULT_FLEET):
+        return fleet_lock_folder(DEFAULT_FLEET), f"the fleet of ./{DEFAULT_FLEET}"
+    return default_folder(), "no fleet here: the per-user queue"
 
 
 def fleet_lock_folder(fleet_file: str) -> Path:
-    """`gpu.lock_dir` of the fleet file if set, else `<state dir>/gpu`."""
+    """The fleet's queue: its `gpu.lock_dir`, else `<state dir>/gpu` (what its agents use)."""
     from fleettop.supervisor.base import paths
     from fleettop.supervisor.config.load import load_fleet
 
     fleet = load_fleet(fleet_file)
-    lock_dir = getattr(fleet.gpu, "lock_dir", None)
-    if lock_dir is None and hasattr(fleet.gpu, "get"):
-        lock_dir = fleet.gpu.get("lock_dir")
-    if lock_dir:
-        return Path(lock_dir).expanduser()
-    return paths.state_dir(fleet_file, override=fleet.state_dir) / "gpu"
+    return lock_folder_of(paths.state_dir(fleet_file, override=fleet.state_dir), fleet.gpu)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,7 +112,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fleettop lock run: --timeout: {exc}", file=sys.stderr)
         return 2
     name = args.name or Path(cmd[0]).name
-    lock = GpuLock(resolve_folder(args), name=name, model=args.model, timeout=timeout)
+    folder, why = _folder_or_report(args)
+    if folder is None:
+        return 2
+    print(f"fleettop lock: queue {folder} ({why})", file=sys.stderr)
+    lock = GpuLock(folder, name=name, model=args.model, timeout=timeout)
     try:
         lock.acquire()
     except LockTimeout as exc:
@@ -142,12 +151,25 @@ def _run_child(cmd: list[str]) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+def _folder_or_report(args: argparse.Namespace) -> tuple[Path | None, str]:
+    from fleettop.supervisor.config.load import FleetError
+
+    try:
+        return resolve_folder(args)
+    except FleetError as exc:
+        print(f"fleettop lock: cannot use the fleet's queue:\n{exc}", file=sys.stderr)
+        return None, ""
+
+
 def _status(args: argparse.Namespace) -> int:
-    st = status(resolve_folder(args))
+    folder, why = _folder_or_report(args)
+    if folder is None:
+        return 2
+    st = status(folder)
     if args.json:
-        print(json.dumps(st))
+        print(json.dumps({**st, "chosen_by": why}))
         return 0
-    print(render_status(st))
+    print(render_status(st) + f"\n  (queue chosen by {why})")
     return 0
 
 

@@ -390,3 +390,22 @@ def test_pick_next_rule() -> None:
         assert pick_next([], "A", now=0, max_wait=1) is None
     finally:
         loop.close()
+
+
+def test_lock_without_f_uses_the_queue_of_the_fleet_here(tmp_path: Path) -> None:
+    """`fleettop lock run` the way the docs show it, next to fleet.yaml, queues where that
+    fleet's GPU agents queue (it used a per-user folder of its own), and says so."""
+    from fleettop.supervisor.config.load import load_fleet
+    from fleettop.supervisor.core.supervisor import Supervisor
+
+    (tmp_path / "fleet.yaml").write_text("agents:\n  a: {cmd: [sleep, '1'], gpu: exclusive}\n")
+    env = {k: v for k, v in os.environ.items() if k != "FLEETTOP_GPU_LOCK_DIR"}
+    agents_queue = Supervisor(load_fleet(tmp_path / "fleet.yaml")).state_dir / "gpu"
+    st = json.loads(_lock_cli("status", "--json", cwd=tmp_path, env=env).stdout)
+    assert Path(st["folder"]) == agents_queue and "fleet.yaml" in st["chosen_by"], st
+    ran = _lock_cli("run", "--", "true", cwd=tmp_path, env=env)
+    assert ran.returncode == 0 and f"queue {agents_queue}" in ran.stderr, ran.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    st = json.loads(_lock_cli("status", "--json", cwd=elsewhere, env=env).stdout)
+    assert "per-user" in st["chosen_by"] and Path(st["folder"]) != agents_queue, st
