@@ -14,7 +14,7 @@ from typing import Any
 from fleettop.supervisor.base import paths
 from fleettop.supervisor.config import units
 from fleettop.supervisor.config.fleet import Fleet
-from fleettop.supervisor.config.load import FleetError, load_fleet
+from fleettop.supervisor.config.load import FleetError, Problem, load_fleet_marked
 from fleettop.supervisor.control import server as control
 
 DEFAULT_FILE = "fleet.yaml"
@@ -164,29 +164,45 @@ def _passthrough(name: str, rest: list[str]) -> int:
     return int(agents.main(rest) or 0)
 
 
-def _load_or_report(file: str) -> Fleet | None:
+def _checked(file: str) -> tuple[Fleet | None, list[Problem], list[Problem]]:
+    """The fleet, and what stops it (or may stop it) on this host: (fleet, errors, warnings)."""
+    from fleettop.supervisor.config.host import host_problems
+
     try:
-        return load_fleet(file)
+        fleet, marks = load_fleet_marked(file)
     except FleetError as exc:
-        for problem in exc.problems:
+        return None, exc.problems, []
+    errors, warnings = host_problems(fleet, file, marks)
+    return fleet, errors, warnings
+
+
+def _load_or_report(file: str) -> Fleet | None:
+    fleet, errors, warnings = _checked(file)
+    for problem in warnings:
+        print(f"{problem} (warning)", file=sys.stderr)
+    if errors:
+        for problem in errors:
             print(problem, file=sys.stderr)
-        n = len(exc.problems)
+        n = len(errors)
         print(f"{file}: {n} problem{'s' if n != 1 else ''}; nothing was started",
               file=sys.stderr)
         return None
+    return fleet
 
 
 def cmd_check(files: list[str]) -> int:
     status = 0
     for file in files:
-        try:
-            fleet = load_fleet(file)
-        except FleetError as exc:
-            for problem in exc.problems:
-                print(problem, file=sys.stderr)
+        fleet, errors, warnings = _checked(file)
+        for problem in errors:
+            print(problem, file=sys.stderr)
+        for problem in warnings:
+            print(f"{problem} (warning)", file=sys.stderr)
+        if errors or fleet is None:
             status = 2
             continue
-        print(f"{file}: ok ({len(fleet.agents)} agents)")
+        note = f", {len(warnings)} warning{'s' if len(warnings) != 1 else ''}" if warnings else ""
+        print(f"{file}: ok ({len(fleet.agents)} agents{note})")
     return status
 
 

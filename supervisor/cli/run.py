@@ -157,6 +157,11 @@ async def run_fleet(fleet: Fleet, frontend: Frontend, *, duration: float | None 
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
         lock.release()
+    if sup.failed_starts:
+        names = ", ".join(f"{n} ({why})" for n, why in sorted(sup.failed_starts.items()))
+        print(f"fleettop: {len(sup.failed_starts)} agent(s) could not start: {names}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -63,7 +63,8 @@ class _Hostile(Exception):
     def __init__(self, node: yaml.Node | yaml.Event | yaml.Mark, message: str) -> None:
         mark = node if isinstance(node, yaml.Mark) else node.start_mark
         super().__init__(message)
-        self.line, self.col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        self.line: int = mark.line + 1 if mark else 1
+        self.col: int = mark.column + 1 if mark else 1
 
 
 def _check_shape(text: str) -> None:
@@ -204,6 +205,11 @@ def _message(err: Any) -> str:
 
 
 def parse_fleet(text: str, file: str = "fleet.yaml") -> Fleet:
+    return parse_fleet_marked(text, file)[0]
+
+
+def parse_fleet_marked(text: str, file: str = "fleet.yaml") -> tuple[Fleet, Marks]:
+    """The fleet and where each value sits (for problems found after loading)."""
     c = _Composer(file)
     if len(text) > MAX_FILE_BYTES:
         raise FleetError([Problem(file, 1, 1, "", f"the fleet file is {len(text) >> 20} MiB: "
@@ -276,7 +282,7 @@ def parse_fleet(text: str, file: str = "fleet.yaml") -> Fleet:
         problems.sort(key=lambda p: (p.line, p.col))
         raise FleetError(_dedupe(problems))
     assert fleet is not None
-    return fleet.model_copy(update={"path": file})
+    return fleet.model_copy(update={"path": file}), c.marks
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:
@@ -349,6 +355,10 @@ def _find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
 
 
 def load_fleet(path: str | os.PathLike[str]) -> Fleet:
+    return load_fleet_marked(path)[0]
+
+
+def load_fleet_marked(path: str | os.PathLike[str]) -> tuple[Fleet, Marks]:
     file = str(path)
     try:
         size = os.stat(path).st_size
@@ -360,4 +370,4 @@ def load_fleet(path: str | os.PathLike[str]) -> Fleet:
         raise FleetError([Problem(file, 1, 1, "", "no such file")]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise FleetError([Problem(file, 1, 1, "", f"cannot read: {exc}")]) from None
-    return parse_fleet(text, file)
+    return parse_fleet_marked(text, file)

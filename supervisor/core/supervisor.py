@@ -37,6 +37,8 @@ class Supervisor:
         self.agents: dict[str, AgentRuntime] = {
             name: AgentRuntime(spec) for name, spec in fleet.agents.items()
         }
+        self.failed_starts: dict[str, str] = {}
+        """Agents whose start failed (no program, no such user, ...): the exit code says so."""
         self.capabilities: list[Capability] = []
         """What plugs into this fleet (proxy, telemetry, GPU gate, web view), in order."""
         self.externals: dict[int, dict[str, Any]] = {}
@@ -180,6 +182,7 @@ class Supervisor:
                 with contextlib.suppress(Exception):
                     cap.after_exit(rt)
             self._set_state(rt, AgentState.FAILED, f"cannot start: {exc}")
+            self.failed_starts[rt.name] = str(exc)
             return
         self._set_state(rt, AgentState.RUNNING, why, pid=rt.pid, run=rt.run_id)
         rt.ready.clear()

@@ -206,6 +206,18 @@ def test_run_for_duration_ends_by_itself(tmp_path: Path) -> None:
     assert "fleet.started" in kinds and kinds[-1] == "fleet.stopped"
 
 
+def test_a_start_that_fails_is_reported_and_the_exit_code_says_so(tmp_path: Path) -> None:
+    """A headless run whose agent could not start exited 0."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({"agents": {"a": {"cmd": ["sleep", "1000"]},
+                                            "ghost": {"cmd": ["no-such-program-here"]}}}))
+    run = subprocess.run([*FLEETTOP, "run", "--headless", str(fleet), "--for", "1s",
+                          "--no-telemetry"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stderr
+    assert "1 agent(s) could not start: ghost" in run.stderr, run.stderr
+    assert "no-such-program-here' is not on this host's PATH" in run.stderr  # the warning
+
+
 def test_reload_applies_the_changed_fleet_file_and_refuses_a_bad_one(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
 

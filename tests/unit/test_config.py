@@ -209,3 +209,32 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
 def test_version() -> None:
     run = subprocess.run([*FLEETTOP, "--version"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.startswith("fleettop "), run.stdout + run.stderr
+
+
+def test_check_names_what_cannot_start_on_this_host(tmp_path: Path) -> None:
+    """`check` said ok for these: a missing cwd, an unknown user and a state dir that cannot
+    be made are errors with their place; a program not on PATH is a warning (the host that
+    runs the agent may have it)."""
+    fleet = tmp_path / "fleet.yaml"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    fleet.write_text(f"state_dir: {blocker}/state\n"
+                     "agents:\n"
+                     "  a:\n"
+                     "    cmd: [no-such-program-here]\n"
+                     "    cwd: /no/such/folder\n"
+                     "    user: no-such-user-here\n"
+                     "  b: {cmd: [sleep, '1']}\n")
+    run = subprocess.run([*FLEETTOP, "check", str(fleet)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2, run.stdout + run.stderr
+    err = run.stderr
+    assert f"{fleet}:5:10: agents.a.cwd: no folder '/no/such/folder'" in err, err
+    assert f"{fleet}:6:11: agents.a.user: no user 'no-such-user-here'" in err, err
+    assert f"{fleet}:1:12: state_dir: cannot make" in err, err
+    assert f"{fleet}:4:10: agents.a.cmd: 'no-such-program-here' is not on this host's PATH" \
+        in err and "(warning)" in err, err
+    fleet.write_text("agents:\n  a: {cmd: [no-such-program-here]}\n")
+    run = subprocess.run([*FLEETTOP, "check", str(fleet)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and "1 warning" in run.stdout, run.stdout + run.stderr
