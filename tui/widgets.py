@@ -241,6 +241,10 @@ class StatusLine(Static):
         if isinstance(gov, dict) and gov.get("level") is not None:
             parts.append(f"governor {gov['level']}")
         text = Text(" · ".join(parts))
+        failing = [str(a.get("name")) for a in agents if a.get("log_error")]
+        if failing:
+            text.append(f"  ⚠ logs not written: {', '.join(failing[:3])}"
+                        + (" …" if len(failing) > 3 else ""), style="bold yellow")
         if error:
             text.append(f"  ✗ {error}", style="bold red")
         if text != self._last:

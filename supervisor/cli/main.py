@@ -358,6 +358,9 @@ def _print_status(snap: dict[str, Any]) -> None:
     for x in snap.get("external", []):
         print(f"{'pid ' + str(x['pid']):<16} {x['state']:<10} {x['pid']:>7} external "
               f"process {x.get('name')}")
+    for a in snap["agents"]:
+        if a.get("log_error"):
+            print(f"warning: {a['name']}: {a['log_error']} (the last lines are kept in memory)")
     if os.environ.get("FLEETTOP_DEBUG"):
         print(json.dumps(snap, indent=1, default=str))
 

@@ -40,6 +40,7 @@ def agent_row(sup: Supervisor, rt: AgentRuntime) -> dict[str, Any]:
         "next_run": rt.next_run, "priority": rt.spec.priority,
         "schedule": rt.spec.schedule, "cgroup": str(rt.cgroup) if rt.cgroup else None,
         "frozen_via": rt.frozen_via, "trip": rt.trip,
+        "log_error": rt.log.failing if rt.log is not None else None,
     }
     for cap in sup.capabilities:
         with contextlib.suppress(Exception):

@@ -86,8 +86,16 @@ def spawn(sup: Supervisor, rt: AgentRuntime) -> None:
     if warning and rt.run_id == 0:
         sup.emit("agent.warning", rt.name, warning)
     if rt.log is None:
+        name = rt.name
+
+        def trouble(why: str | None) -> None:  # once when it starts failing, once when fixed
+            if why is None:
+                sup.emit("log.recovered", name, "the log file is written again")
+            else:
+                sup.emit("log.failing", name, f"{why}; the last lines are kept in memory")
+
         rt.log = AgentLog(sup.log_dir / f"{rt.name}.log", spec.log.max_bytes,
-                          spec.log.backups, spec.log.tail_lines)
+                          spec.log.backups, spec.log.tail_lines, on_trouble=trouble)
     joins: list[str] = []
     """cgroup.procs files the child writes itself into before exec."""
     tree = sup.cgroup_tree

@@ -451,3 +451,44 @@ async def test_reload_leaves_a_frozen_agent_frozen_until_its_next_start(tmp_path
         assert rt.pid == pid and rt.state is AgentState.FROZEN
         assert rt.spec.cmd == ["sleep", "2000"]  # what its next start runs
         assert kinds(sup, "fleet.reloaded")[-1].data["frozen_apply_later"] == ["held"]
+
+
+CHATTY = ("import itertools, sys, time\n"
+          "for i in itertools.count():\n"
+          "    print(f'line {i} ' + 'x' * 200, flush=True)\n"
+          "    time.sleep(0.002)\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs as the state dir needs root")
+async def test_a_full_disk_is_one_event_and_logging_comes_back(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """A state dir with no space left gave 11,920 tracebacks in 40 s. Now: one event, the
+    agent untouched, its last lines kept in memory, the row says so, and when space returns
+    the file is written again (with a note of what it missed)."""
+    from fleettop.supervisor.core import logs
+
+    monkeypatch.setattr(logs, "RETRY_S", 0.3)
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state)],
+                   check=True)
+    try:
+        text = {"state_dir": str(state), "agents": {"chatty": {
+            "cmd": [sys.executable, "-c", CHATTY], "restart": "no"}}}
+        async for sup in running(tmp_path, text):
+            rt = sup.agents["chatty"]
+            await wait_for(lambda: kinds(sup, "log.failing", "chatty"), 30, "the disk filled")
+            seen = rt.log.lines(1)[-1]
+            await wait_for(lambda: rt.log.lines(1)[-1] != seen, 10, "the tail goes on")
+            assert rt.state is AgentState.RUNNING
+            assert "No space left" in (sup.snapshot()["agents"][0]["log_error"] or "")
+            await asyncio.sleep(1.0)  # many more writes fail meanwhile: still one event
+            assert len(kinds(sup, "log.failing", "chatty")) == 1
+            for f in state.rglob("chatty.log*"):
+                os.truncate(f, 0)  # space comes back
+            await wait_for(lambda: kinds(sup, "log.recovered", "chatty"), 10, "recovery")
+            assert sup.snapshot()["agents"][0]["log_error"] is None
+            written = (sup.log_dir / "chatty.log").read_text(errors="replace")
+            assert "log file writable again" in written
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=False)
