@@ -461,7 +461,7 @@ class FleettopApp(App[str | None]):
 
     def action_quit_fleet(self) -> None:
         frozen = self.frozen_agents()
-        if self.readonly or not frozen:
+        if self.readonly or self.client.viewer or not frozen:  # a viewer never stops the fleet
             self.exit(None)
             return
 

@@ -223,7 +223,8 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         out = Text()
         for b in APP_BINDINGS:
-            key = self.keys.get(b.id or "", b.key)
+            # What the footer shows (`/`, `?`, `^k`), not Textual's key names (`slash`).
+            key = self.app.get_key_display(Binding(self.keys.get(b.id or "", b.key), b.action))
             dim = self.readonly and b.action in MUTATING_ACTIONS
             style = "dim strike" if dim else ""
             out.append(f"{key:>12}  ", style="bold" if not dim else style)
@@ -283,7 +284,7 @@ class QuitScreen(ModalScreen[str | None]):
         names = ", ".join(self.frozen[:6]) + (" …" if len(self.frozen) > 6 else "")
         with Vertical(id="quit-box", classes="dialog"):
             yield Label(f"{len(self.frozen)} frozen: {names}")
-            yield Label("Quit and stop the fleet. Frozen agents:")
+            yield Label("Quitting stops the fleet. What happens to the frozen agents?")
             with Horizontal(classes="buttons"):
                 yield Button("Resume, then stop (r)", id="quit-resume", compact=True,
                              variant="success")

@@ -21,6 +21,8 @@ class FleetClient(Protocol):
 
     readonly: bool
     """Every command in MUTATING is refused."""
+    viewer: bool
+    """A second window on a fleet that runs elsewhere: quitting it leaves the fleet running."""
 
     async def snapshot(self) -> dict[str, Any]: ...
 

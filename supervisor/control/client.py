@@ -25,6 +25,7 @@ class InProcessClient:
     def __init__(self, supervisor: Supervisor, readonly: bool = False) -> None:
         self.sup = supervisor
         self.readonly = readonly
+        self.viewer = False
 
     async def snapshot(self) -> dict[str, Any]:
         return self.sup.snapshot()
@@ -49,6 +50,7 @@ class SocketClient:
         self.path = socket_path
         self.readonly = readonly
         self.allow_shutdown = allow_shutdown
+        self.viewer = not allow_shutdown
         self._lock = asyncio.Lock()
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 

@@ -100,7 +100,7 @@ def test_table_inspector_freeze_and_quit_in_tmux(tmux: Tmux) -> None:
     tmux.wait_for("filter 'vision'")
 
     tmux.keys("q")
-    tmux.wait_for("Frozen agents")
+    tmux.wait_for("What happens to the frozen agents")
     tmux.keys("s")
     end = time.monotonic() + 15
     while not tmux.out.exists() and time.monotonic() < end:

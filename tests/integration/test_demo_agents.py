@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +64,22 @@ def test_chat_turns_then_loops(mock: str) -> None:
     assert [ln.split()[3] for ln in lines] == ["demo-chat:", "demo-chat:", "demo-loop:"]
     assert all(ln.startswith("[chat] turn ") and "tokens]" in ln for ln in lines)
     assert stats(mock)["requests"] == {"demo-chat": 2, "demo-loop": 1}
+
+
+def test_a_demo_agent_has_a_name_of_its_own(mock: str) -> None:
+    """Their process was `fleettop`: `probe.child_exit looper: fleettop exited` read as if
+    fleettop itself had died."""
+    proc = subprocess.Popen(agent_cmd("chat", "--interval", "5"), env=agent_env(mock),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        comm = Path(f"/proc/{proc.pid}/comm")
+        deadline = time.monotonic() + 20
+        while comm.read_text().strip() != "demo-chat":
+            assert time.monotonic() < deadline, comm.read_text()
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_chat_goes_through_http_proxy(mock: str) -> None:

@@ -49,8 +49,10 @@ class FakeFleet:
     """In-memory stand-in for `fleettop.supervisor.control.client.FleetClient`."""
 
     def __init__(self, n_agents: int | None = None, *, gpu: bool = True,
-                 readonly: bool = False, lock: bool = True, leaks: bool = True) -> None:
+                 readonly: bool = False, lock: bool = True, leaks: bool = True,
+                 viewer: bool = False) -> None:
         self.readonly = readonly
+        self.viewer = viewer
         self.commands: list[dict[str, Any]] = []
         """Every command received, in order."""
         self.snapshots = 0

@@ -35,6 +35,7 @@ class FakeFleetClient:
 
     def __init__(self, n: int = 3, *, readonly: bool = False) -> None:
         self.readonly = readonly
+        self.viewer = False
         self.agents: list[dict[str, Any]] = [make_agent(i) for i in range(n)]
         self.commands: list[dict[str, Any]] = []
         self.recent: list[dict[str, Any]] = []

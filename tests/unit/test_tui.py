@@ -446,6 +446,18 @@ async def test_q_asks_about_frozen_agents_resume_then_stop() -> None:
     assert h.fleet.commands[-1] == {"cmd": "shutdown", "frozen": "resume"}
 
 
+async def test_q_in_a_viewer_just_leaves() -> None:
+    """A viewer's `q` asked "Quit and stop the fleet" and then left it running: a viewer
+    never stops the fleet, so it asks nothing and sends no shutdown."""
+    h = Harness(FakeFleet(viewer=True))
+    async with h.run() as pilot:
+        await h.ready(pilot)
+        assert h.app.frozen_agents()
+        await pilot.press("q")
+        await until(pilot, lambda: not h.app.is_running)
+    assert not any(c.get("cmd") == "shutdown" for c in h.fleet.commands)
+
+
 async def test_q_stop_choice_by_click() -> None:
     h = Harness()
     async with h.run() as pilot:
@@ -479,6 +491,9 @@ async def test_help_lists_every_binding_id() -> None:
         text = screen_text(h.app)
         for b in APP_BINDINGS:
             assert f"[{b.id}]" in text
+        # Keys as the footer writes them, not Textual's names for them.
+        assert "slash" not in text and "question_mark" not in text
+        assert "/  Filter" in text and "?  Help" in text
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(h.app.screen, HelpScreen))
 
