@@ -439,6 +439,12 @@ class FleettopApp(App[str | None]):
     def _row_selected(self) -> None:
         self.action_inspect()
 
+    def action_cursor_down(self) -> None:
+        self.table.action_cursor_down()
+
+    def action_cursor_up(self) -> None:
+        self.table.action_cursor_up()
+
     def action_next_panel(self) -> None:
         self.panel = (self.panel + 1) % len(PANELS)
         self._show_panel()

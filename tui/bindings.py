@@ -11,7 +11,8 @@ APP_BINDINGS: list[Binding] = [
     Binding("f", "freeze_agent", "Freeze", id="freeze", tooltip="Freeze the selected agent"),
     Binding("r", "resume_agent", "Resume", id="resume", tooltip="Resume the selected agent"),
     Binding("space", "toggle_freeze", "Toggle", id="toggle", tooltip="Freeze or resume"),
-    Binding("k", "kill_agent", "Kill", id="kill", tooltip="SIGKILL the agent (asks first)"),
+    # k9s's key: j/k move the cursor here, as in vim, less and k9s.
+    Binding("ctrl+k", "kill_agent", "Kill", id="kill", tooltip="SIGKILL the agent (asks first)"),
     Binding("s", "start_stop", "Start/Stop", id="start-stop", tooltip="Start or stop the agent"),
     Binding("R", "restart_agent", "Restart", id="restart", tooltip="Restart the agent"),
     Binding("enter", "inspect", "Inspect", id="inspect", tooltip="Last tokens, trip, logs"),
@@ -24,6 +25,8 @@ APP_BINDINGS: list[Binding] = [
     Binding("O", "sort_reverse", "Rev", id="sort-reverse", show=False,
             tooltip="Reverse the sort order"),
     Binding("v", "next_panel", "Panel", id="panel", tooltip="Next side panel (compact layout)"),
+    Binding("j", "cursor_down", "Down", id="down", show=False, tooltip="Next row"),
+    Binding("k", "cursor_up", "Up", id="up", show=False, tooltip="Previous row"),
 ]
 """The main screen's bindings, in help-screen order."""
 

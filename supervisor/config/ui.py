@@ -14,13 +14,13 @@ from .units import parse_duration
 
 BINDING_IDS: frozenset[str] = frozenset({
     "freeze", "resume", "toggle", "kill", "start-stop", "restart", "inspect", "logs", "filter",
-    "pid", "help", "quit", "sort", "sort-reverse", "panel",
+    "pid", "help", "quit", "sort", "sort-reverse", "panel", "down", "up",
 })
 """Ids accepted under `ui: keys:` (the same ids as fleettop.tui.bindings)."""
 
 
 class UiSection(BaseModel):
-    """`ui:` in fleet.yaml, e.g. `ui: {refresh: 1s, keys: {freeze: x, kill: ctrl+k}}`."""
+    """`ui:` in fleet.yaml, e.g. `ui: {refresh: 1s, keys: {freeze: x, kill: ctrl+x}}`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

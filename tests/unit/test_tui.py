@@ -297,18 +297,26 @@ async def test_space_toggles() -> None:
         await command_sent(pilot, h, {"cmd": "freeze", "name": "vision"})
 
 
-async def test_k_kills_only_after_confirmation() -> None:
+async def test_ctrl_k_kills_only_after_confirmation_and_j_k_move() -> None:
     h = Harness()
     async with h.run() as pilot:
         await h.ready(pilot)
-        await h.select(pilot, "vision")
+        table = h.app.table
+        table.move_cursor(row=0)
+        await pilot.pause()
+        await pilot.press("j")  # vim/k9s navigation: j/k move, they never kill
+        await until(pilot, lambda: table.cursor_row == 1)
         await pilot.press("k")
+        await until(pilot, lambda: table.cursor_row == 0)
+        assert not isinstance(h.app.screen, ConfirmKillScreen)
+        await h.select(pilot, "vision")
+        await pilot.press("ctrl+k")
         await until(pilot, lambda: isinstance(h.app.screen, ConfirmKillScreen))
         assert "SIGKILL agent vision" in screen_text(h.app)
         await pilot.press("n")
         await until(pilot, lambda: not isinstance(h.app.screen, ConfirmKillScreen))
         assert not any(c["cmd"] == "stop" for c in h.fleet.commands)
-        await pilot.press("k")
+        await pilot.press("ctrl+k")
         await until(pilot, lambda: isinstance(h.app.screen, ConfirmKillScreen))
         await pilot.press("y")
         await command_sent(pilot, h, {"cmd": "stop", "name": "vision", "signal": "KILL"})
@@ -544,7 +552,7 @@ async def test_readonly_greys_out_every_mutating_action() -> None:
     async with h.run() as pilot:
         await h.ready(pilot)
         await h.select(pilot, "vision")
-        for key in ("f", "r", "space", "s", "R", "k", "p"):
+        for key in ("f", "r", "space", "s", "R", "ctrl+k", "p"):
             await pilot.press(key)
         await pilot.pause(0.1)
         assert h.fleet.commands == []
@@ -634,8 +642,8 @@ def test_ui_section_ids_match_the_bindings() -> None:
     from fleettop.supervisor.config.ui import BINDING_IDS, UiSection
 
     assert {b.id for b in APP_BINDINGS} == set(BINDING_IDS)
-    ui = UiSection.model_validate({"refresh": "2s", "keys": {"kill": "ctrl+k"}})
-    assert ui.refresh == 2.0 and ui.keys == {"kill": "ctrl+k"}
+    ui = UiSection.model_validate({"refresh": "2s", "keys": {"kill": "ctrl+x"}})
+    assert ui.refresh == 2.0 and ui.keys == {"kill": "ctrl+x"}
     with pytest.raises(ValueError):
         UiSection.model_validate({"keys": {"suspend_process": "z"}})
 
