@@ -21,6 +21,8 @@ log = logging.getLogger("fleettop.supervisor.gpu.lock")
 
 _NAME = re.compile(r"^(\d{12})\.(ticket|held|wake)$")
 HOST = socket.gethostname()
+_WARNED: set[str] = set()
+"""Files already warned about in this process."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +117,16 @@ class TicketQueue:
         self._q = str(self.qdir)
         self._tickets: dict[int, Ticket] = {}
         self.garbage: set[int] = set()
-        self._warned: set[str] = set()
 
     def path(self, seq: int, kind: str) -> str:
         return f"{self._q}/{seq:012d}.{kind}"
 
     def _warn(self, name: str, why: str) -> None:
-        if name not in self._warned:
-            self._warned.add(name)
+        # Once per file and process, whichever queue object meets it: status() makes a new
+        # one per call (every snapshot), and the warning repeated on every one of them.
+        key = f"{self.qdir}/{name}"
+        if key not in _WARNED:
+            _WARNED.add(key)
             log.warning("gpu lock: ignoring %s in %s: %s", name, self.qdir, why)
 
     def listing(self) -> tuple[dict[int, set[str]], list[str]]:

@@ -256,6 +256,17 @@ def test_garbage_files_are_ignored_with_a_warning(folder: Path,
     assert sorted(status(folder)["ignored"]) == ["000000000001.ticket", "notes.txt"]
 
 
+def test_a_garbage_file_is_warned_about_once(folder: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """status() runs on every snapshot: its warning repeated on every call."""
+    (folder / "queue").mkdir(parents=True)
+    (folder / "queue" / "stray.txt").write_text("hello")
+    with caplog.at_level(logging.WARNING, logger="fleettop.supervisor.gpu.lock"):
+        for _ in range(3):
+            assert status(folder)["ignored"] == ["stray.txt"]
+    assert caplog.text.count("stray.txt") == 1, caplog.text
+
+
 def test_timeout_gives_up_cleanly(folder: Path) -> None:
     holder = _child(folder, "busy", hold=600)
     try:
