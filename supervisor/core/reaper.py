@@ -19,6 +19,7 @@ import os, signal, sys, time
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP):
     signal.signal(s, signal.SIG_IGN)  # Ctrl-C in the pane must not take the reaper first
 cg = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else None
+v1 = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
 groups = set()
 for line in sys.stdin.buffer:
     line = line.strip()
@@ -43,10 +44,12 @@ for g in groups:
         os.killpg(g, signal.SIGKILL)
     except OSError:
         pass
-if cg:
+for root in (cg, v1):  # the v2 tree, and the v1 memory cgroups beside it (hybrid hosts)
+    if not root:
+        continue
     for _ in range(200):
         try:
-            for d, _, _ in sorted(os.walk(cg), key=lambda t: -len(t[0])):
+            for d, _, _ in sorted(os.walk(root), key=lambda t: -len(t[0])):
                 os.rmdir(d)
             break
         except OSError:
@@ -55,9 +58,10 @@ if cg:
 
 
 class Reaper:
-    def __init__(self, cgroup_dir: Path | None) -> None:
+    def __init__(self, cgroup_dir: Path | None, v1_memory_dir: Path | None = None) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-S", "-I", "-c", _REAPER, str(cgroup_dir or "")],
+            [sys.executable, "-S", "-I", "-c", _REAPER, str(cgroup_dir or ""),
+             str(v1_memory_dir or "")],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             close_fds=True,
         )

@@ -108,7 +108,8 @@ class Supervisor:
                       cgroup=str(path))
         if self._use_cgroups:
             self.cgroup_tree, self.cgroup_reason = cgroups.CgroupTree.create(self.fleet_id)
-        self.reaper = Reaper(self.cgroup_tree.fleet_dir if self.cgroup_tree else None)
+        tree = self.cgroup_tree
+        self.reaper = Reaper(tree.fleet_dir if tree else None, tree.v1_memory if tree else None)
         source = "cgroup" if self.cgroup_tree else "process-group"
         self.emit("fleet.started", None, self.cgroup_reason or f"agents in cgroups under "
                   f"{self.cgroup_tree.fleet_dir if self.cgroup_tree else ''}",

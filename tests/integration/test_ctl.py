@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fleettop.supervisor.base import paths
-from fleettop.supervisor.core import proctree
+from fleettop.supervisor.core import cgroups, proctree
 from tests.support.processes import FLEETTOP, needs_cgroups
 
 PY = sys.executable
@@ -162,7 +162,7 @@ def test_no_orphans_after_sigkill_of_fleettop(tmp_path: Path) -> None:
     # A grandchild that calls setsid escapes its process group: only the cgroup holds it.
     fleet.write_text(json.dumps({"agents": {
         "escaper": {"cmd": ["sh", "-c", "setsid sleep 1000 & sleep 1000 & wait"]},
-        "plain": {"cmd": ["sleep", "1000"]},
+        "plain": {"cmd": ["sleep", "1000"], "limits": {"memory": "64MiB"}},
     }}))
     proc = subprocess.Popen([*FLEETTOP, "run", "--headless", str(fleet)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -173,12 +173,20 @@ def test_no_orphans_after_sigkill_of_fleettop(tmp_path: Path) -> None:
         pids = [p for a in snap["agents"] for p in a["pids"]]
         cgroup_root = snap["fleet"]["cgroup_root"]
         assert cgroup_root and len(pids) >= 4
+        # On hybrid hosts the memory limit lives in a v1 cgroup beside the v2 one: it stayed
+        # after a SIGKILL until the next start.
+        own = cgroups.find_v1_memory()
+        v1_dir = (own / cgroups.BASE_NAME / f"{paths.fleet_id(fleet)}.{snap['fleet']['pid']}"
+                  if own else None)
+        assert v1_dir is None or v1_dir.is_dir(), v1_dir
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     wait_until(lambda: not any(proctree.proc_state(p) not in (None, "Z") for p in pids), 10,
                "every agent process gone after the supervisor was SIGKILLed")
     wait_until(lambda: not Path(cgroup_root).exists(), 10, "the dead fleet's cgroup removed")
+    if v1_dir is not None:
+        wait_until(lambda: not v1_dir.exists(), 10, "its v1 memory cgroup removed")
 
 
 def test_sigint_stops_the_fleet_cleanly(tmp_path: Path) -> None:
