@@ -8,6 +8,9 @@ from __future__ import annotations
 from textual.binding import Binding
 
 APP_BINDINGS: list[Binding] = [
+    # Help and Quit first: the footer is cut at 80 columns, and these two must show.
+    Binding("question_mark", "help", "Help", id="help", tooltip="This help"),
+    Binding("q", "quit_fleet", "Quit", id="quit", tooltip="Quit (asks about frozen agents)"),
     Binding("f", "freeze_agent", "Freeze", id="freeze", tooltip="Freeze the selected agent"),
     Binding("r", "resume_agent", "Resume", id="resume", tooltip="Resume the selected agent"),
     Binding("space", "toggle_freeze", "Toggle", id="toggle", tooltip="Freeze or resume"),
@@ -19,8 +22,6 @@ APP_BINDINGS: list[Binding] = [
     Binding("l", "logs", "Logs", id="logs", tooltip="The agent's log tail"),
     Binding("slash", "filter", "Filter", id="filter", tooltip="Filter rows by name or state"),
     Binding("p", "pid_prompt", "PID", id="pid", tooltip="Freeze/resume any PID"),
-    Binding("question_mark", "help", "Help", id="help", tooltip="This help"),
-    Binding("q", "quit_fleet", "Quit", id="quit", tooltip="Quit (asks about frozen agents)"),
     Binding("o", "sort_next", "Sort", id="sort", tooltip="Sort by the next column"),
     Binding("O", "sort_reverse", "Rev", id="sort-reverse", show=False,
             tooltip="Reverse the sort order"),

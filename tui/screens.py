@@ -40,6 +40,24 @@ def highlighted_tokens(last_text: str, trip: dict[str, Any] | None) -> Text:
     return text
 
 
+_ZERO_PRINT = "0" * 16
+
+
+def _evidence_value(value: Any) -> str:
+    """Evidence as a person reads it: rows of `key value`, not a Python repr; all-zero
+    fingerprints (an exact match) left out."""
+    def pairs(d: dict[str, Any]) -> str:
+        return "  ".join(f"{k} {v}" for k, v in d.items()
+                         if not (k == "fingerprint" and str(v) == _ZERO_PRINT))
+
+    if isinstance(value, dict):
+        return pairs(value)
+    if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+        return "\n".join(["", *(f"    {pairs(x)}" for x in value[-8:])])
+    text = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+    return text if len(text) <= 120 else text[:117] + "…"
+
+
 class InspectorScreen(Screen[None]):
     """One agent up close: last tokens with the loop highlighted, trip, requests, logs, probes."""
 
@@ -67,9 +85,11 @@ class InspectorScreen(Screen[None]):
                          disabled=self.readonly)
             yield Button("Close", id="inspector-close", compact=True)
         with VerticalScroll(id="inspector-body"):
-            yield Static("", id="inspector-trip", classes="section")
+            # The last tokens first: they are why one freezes instead of kills, and at 80×24
+            # a section below them would push them off the screen.
             with VerticalScroll(id="inspector-tokens-box", classes="section"):
                 yield Static("", id="inspector-tokens")
+            yield Static("", id="inspector-trip", classes="section")
             yield Static("", id="inspector-probes", classes="section")
             yield Static("", id="inspector-requests", classes="section")
             yield Static("", id="inspector-logs", classes="section")
@@ -133,7 +153,10 @@ class InspectorScreen(Screen[None]):
         out.append(f"{trip.get('kind', '?')}: ", style="bold red")
         out.append(f"{trip.get('reason', '')}\n")
         for k, v in (trip.get("evidence") or {}).items():
-            out.append(f"  {k}: {v}\n")
+            if k in ("text_tail", "repeating_span") or v in (None, "", [], {}):
+                continue  # the tokens above show them, highlighted
+            out.append(f"  {k}: ", style="dim")
+            out.append(_evidence_value(v) + "\n")
         out.rstrip()
         return out
 

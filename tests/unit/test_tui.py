@@ -675,3 +675,16 @@ def test_money_shows_small_spends() -> None:
 
     assert [fmt.money(v) for v in (None, 0, 0.000116, 0.00000004, 0.0123, 12.5, 4321.7)] == [
         "n/a", "0.00", "0.0001", "<.0001", "0.01", "12.50", "4322"]
+
+
+def test_trip_evidence_reads_as_rows_not_a_repr() -> None:
+    from fleettop.tui.screens import _evidence_value
+
+    hits = [{"request": 4, "distance": 0, "fingerprint": "0000000000000000"},
+            {"request": 5, "distance": 2, "fingerprint": "00000000000000a1"}]
+    text = _evidence_value(hits)
+    assert "{" not in text and "'" not in text
+    assert "request 4  distance 0" in text and "0000000000000000" not in text
+    assert "fingerprint 00000000000000a1" in text
+    assert _evidence_value({"tier": "exact_period", "copies": 3}) == "tier exact_period  copies 3"
+    assert _evidence_value("x" * 500).endswith("…") and len(_evidence_value("x" * 500)) == 118
