@@ -95,6 +95,20 @@ def to_sample(agent: str, source: str, hist: deque[tuple[float, dict[str, Any]]]
     return s
 
 
+def cgroup_cpu_ns(cgroup: Path | None) -> int | None:
+    """CPU time of a cgroup v2 (every process in it, exited ones included), in ns."""
+    if cgroup is None:
+        return None
+    try:
+        with open(cgroup / "cpu.stat") as fh:
+            for line in fh:
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) * 1000
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def ebpf_precheck() -> str | None:
     """Why eBPF can't work here, from cheap checks that don't import bcc; None if it may."""
     try:
@@ -245,6 +259,13 @@ class TelemetrySource:
             for agent, counters in agents.items():
                 if agent not in self._watched:
                     continue
+                if self.source == "ebpf":
+                    # sched_switch books on-CPU time when a task is switched out: a task that
+                    # stays on a CPU read 0, then a burst over 100%. The kernel's own count
+                    # for the cgroup is exact at every read; it is what top agrees with.
+                    exact = cgroup_cpu_ns(self._watched[agent][1])
+                    if exact is not None:
+                        counters = {**counters, "oncpu_ns": exact}
                 hist = self._hist.setdefault(agent, deque())
                 hist.append((t, counters))
                 while len(hist) > 2 and t - hist[1][0] >= RATE_WINDOW_S:

@@ -186,3 +186,20 @@ async def test_link_freezes_a_real_spinning_child_via_procfs(spinning_child):
     assert sup.frozen and sup.frozen[0]["source"] == "spin", sup.events
     assert sup.frozen[0]["evidence"]["source"] == "procfs"
     assert sup.events[0][0] == "telemetry.source"
+
+
+def test_ebpf_cpu_percent_is_the_cgroups_own_count(tmp_path: Path) -> None:
+    """sched_switch books on-CPU time at switch-out: a steady busy loop read 117, 33, 0,
+    122 %. With a cgroup, the kernel's exact count (cpu.stat) is used instead."""
+    from fleettop.probes.sensors.source import TelemetrySource, cgroup_cpu_ns
+
+    cg = tmp_path / "agent"
+    cg.mkdir()
+    src = TelemetrySource(prefer="ebpf")
+    src.source = "ebpf"  # as if the loader were up; its samples arrive through _push
+    src._watched["spin"] = (1, cg)
+    for t, usage_us, booked_ns in ((0.0, 0, 0), (1.0, 950_000, 0), (2.0, 1_900_000, 2_000_000_000)):
+        (cg / "cpu.stat").write_text(f"usage_usec {usage_us}\nuser_usec {usage_us}\n")
+        src._push(t, {"spin": {"oncpu_ns": booked_ns, "nprocs": 1, "pids": [1]}})
+    assert src.sample()["spin"].cpu_percent == 95.0
+    assert cgroup_cpu_ns(None) is None and cgroup_cpu_ns(tmp_path / "gone") is None
