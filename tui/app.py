@@ -341,6 +341,11 @@ class FleettopApp(App[str | None]):
         if agent := self._need_target():
             self.send(self._addressed("resume", agent))
 
+    def action_resume_warn(self) -> None:
+        """Resume, and for 10 minutes let its loops warn instead of freezing it at once."""
+        if agent := self._need_target():
+            self.send({**self._addressed("resume", agent), "breaker": "warn", "for": "10m"})
+
     def action_toggle_freeze(self) -> None:
         if agent := self._need_target():
             frozen = fmt.display_state(agent) in ("frozen", "tripped") or (

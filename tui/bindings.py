@@ -14,6 +14,8 @@ APP_BINDINGS: list[Binding] = [
     Binding("f", "freeze_agent", "Freeze", id="freeze", tooltip="Freeze the selected agent"),
     Binding("r", "resume_agent", "Resume", id="resume", tooltip="Resume the selected agent"),
     Binding("space", "toggle_freeze", "Toggle", id="toggle", tooltip="Freeze or resume"),
+    Binding("w", "resume_warn", "Resume, warn", id="resume-warn", show=False,
+            tooltip="Resume; for 10 minutes its loops warn instead of freezing it again"),
     # k9s's key: j/k move the cursor here, as in vim, less and k9s.
     Binding("ctrl+k", "kill_agent", "Kill", id="kill", tooltip="SIGKILL the agent (asks first)"),
     Binding("s", "start_stop", "Start/Stop", id="start-stop", tooltip="Start or stop the agent"),
@@ -32,7 +34,7 @@ APP_BINDINGS: list[Binding] = [
 """The main screen's bindings, in help-screen order."""
 
 MUTATING_ACTIONS: frozenset[str] = frozenset({
-    "freeze_agent", "resume_agent", "toggle_freeze", "kill_agent", "start_stop",
+    "freeze_agent", "resume_agent", "resume_warn", "toggle_freeze", "kill_agent", "start_stop",
     "restart_agent", "pid_prompt",
 })
 """Actions that change the fleet: greyed out (disabled, still shown) under `--readonly`."""

@@ -52,6 +52,9 @@ def state_text(agent: dict[str, Any], now: float | None = None) -> str:
         word = "exit 0"
     elif state == "external":
         word = f"ext {agent.get('ext_state', '')}".strip()
+    relaxed = agent.get("breaker_relaxed")
+    if isinstance(relaxed, dict) and state == "running":
+        word = f"{word} ({relaxed.get('policy')} {clock(relaxed.get('until') or 0)})"
     return f"{symbol} {word}"
 
 

@@ -350,6 +350,8 @@ class FleettopProxy:
     def _trip(self, agent: AgentState, trip: Trip, flow: http.HTTPFlow | None) -> bool:
         """Report a trip; returns True when the policy blocks the agent."""
         policy = getattr(agent.breaker.policy, trip.kind, "block")
+        if agent.relaxed is not None and time.time() < agent.relaxed[1]:
+            policy = agent.relaxed[0]  # resumed with a lower breaker, for a while
         agent.trips += 1
         blocks = policy != "warn"
         if blocks:
@@ -441,6 +443,11 @@ class FleettopProxy:
         elif kind == "stats":
             for agent in list(self.agents.values()):
                 self.report(self.stats(agent))
+        elif kind == "relax":
+            # Until `until` (epoch s) every trip of this agent takes `policy` (e.g. warn).
+            state = self.agent(str(cmd.get("agent")))
+            state.relaxed = (str(cmd.get("policy") or "warn"), float(cmd.get("until") or 0))
+            self.report({"event": "proxy.reply", "cmd": kind, "agent": state.name, "ok": True})
         else:
             self.report({"event": "proxy.reply", "cmd": kind, "ok": False,
                          "error": "unknown command"})

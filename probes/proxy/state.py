@@ -34,6 +34,8 @@ class AgentState:
     errors: int = 0
     reported_total: int = -1
     loop_score: float = 0.0
+    relaxed: tuple[str, float] | None = None
+    """(policy, until): after a resume with a lower breaker, trips take this policy."""
 
     def __post_init__(self) -> None:
         self.budget = BudgetTracker(self.breaker.budget_params())

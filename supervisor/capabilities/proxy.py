@@ -85,6 +85,8 @@ class ProxyBreaker(Capability):
         self._chars: dict[str, int] = {}
         self._rates: dict[str, float] = {}
         self._last_out: dict[str, tuple[float, float]] = {}
+        self.relaxed: dict[str, tuple[str, float]] = {}
+        """Agents resumed with a lower breaker: (policy, until)."""
         self.tokens_file = self.state_dir / "proxy-tokens.json"
         self.config_file = self.state_dir / "proxy-config.json"
         self.process = ProxyProcess(
@@ -119,6 +121,16 @@ class ProxyBreaker(Capability):
             env["FLEETTOP_BASE_URL"] = f"http://{self.proxy.host}:{self.reverse_ports[name]}"
         self.release(name)  # a (re)started agent starts unblocked
 
+    def relax_breaker(self, name: str, policy: str, until: float) -> bool:
+        if name not in self.tokens and name not in self.stats:
+            return False  # this agent does not go through the proxy
+        self.relaxed[name] = (policy, until)
+        self.send({"cmd": "relax", "agent": name, "policy": policy, "until": until})
+        self.sup.emit("breaker.relaxed", name, f"breaker {policy} until "
+                      + time.strftime("%H:%M:%S", time.localtime(until)),
+                      policy=policy, until=until)
+        return True
+
     async def before_resume(self, name: str) -> None:
         # Lift the block before the thaw, so a resumed agent's next request isn't a 429.
         self.release(name)
@@ -134,9 +146,13 @@ class ProxyBreaker(Capability):
         self.send({"cmd": "reload"})
 
     def agent_fields(self, name: str) -> dict[str, Any]:
+        relaxed = self.relaxed.get(name)
+        extra: dict[str, Any] = {}
+        if relaxed is not None and relaxed[1] > time.time():
+            extra["breaker_relaxed"] = {"policy": relaxed[0], "until": relaxed[1]}
         stats = self.stats.get(name)
         if not stats:
-            return {}
+            return extra
         out: dict[str, Any] = {"proxy": {k: stats.get(k) for k in _STAT_FIELDS
                                          if k != "text_tail"}}
         # The flat per-agent fields the UI, the web view and /metrics read.
@@ -147,7 +163,7 @@ class ProxyBreaker(Capability):
                    trips=stats.get("trips"), loop_score=stats.get("loop_score"),
                    last_text=self.texts.get(name, ""),
                    last_requests=self.requests.get(name, []))
-        return out
+        return {**out, **extra}
 
     def component(self) -> dict[str, Any]:
         """The proxy's row in the snapshot's `components` list."""

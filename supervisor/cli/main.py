@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pid", type=int)
         p.add_argument("--reason", default="")
         p.add_argument("--json", action="store_true")
+        if verb == "resume":
+            p.add_argument("--breaker", choices=("warn", "block", "freeze", "kill"),
+                           help="until --for has passed, its trips take this policy "
+                                "(warn: report, don't freeze again)")
+            p.add_argument("--for", dest="relax_for", default="10m",
+                           help="how long --breaker holds (default 10m)")
     for verb, text in (("restart", "restart an agent"), ("stop", "stop an agent"),
                        ("start", "start an agent")):
         p = csub.add_parser(verb, help=text)
@@ -288,6 +294,8 @@ def cmd_ctl(args: argparse.Namespace) -> int:
             print(f"fleettop ctl {verb}: give an agent NAME or --pid N", file=sys.stderr)
             return 2
         req.update(name=args.name, pid=args.pid, reason=args.reason or None)
+        if verb == "resume" and args.breaker:
+            req.update(breaker=args.breaker, **{"for": args.relax_for})
     elif verb in ("restart", "stop", "start", "logs"):
         req["name"] = args.name
         if verb == "logs":
@@ -359,6 +367,10 @@ def _print_status(snap: dict[str, Any]) -> None:
         print(f"{'pid ' + str(x['pid']):<16} {x['state']:<10} {x['pid']:>7} external "
               f"process {x.get('name')}")
     for a in snap["agents"]:
+        relaxed = a.get("breaker_relaxed")
+        if relaxed:
+            until = time.strftime("%H:%M:%S", time.localtime(relaxed["until"]))
+            print(f"note: {a['name']}: breaker {relaxed['policy']} until {until}")
         if a.get("log_error"):
             print(f"warning: {a['name']}: {a['log_error']} (the last lines are kept in memory)")
     if os.environ.get("FLEETTOP_DEBUG"):

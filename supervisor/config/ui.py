@@ -14,7 +14,7 @@ from .units import parse_duration
 
 BINDING_IDS: frozenset[str] = frozenset({
     "freeze", "resume", "toggle", "kill", "start-stop", "restart", "inspect", "logs", "filter",
-    "pid", "help", "quit", "sort", "sort-reverse", "panel", "down", "up",
+    "pid", "help", "quit", "sort", "sort-reverse", "panel", "down", "up", "resume-warn",
 })
 """Ids accepted under `ui: keys:` (the same ids as fleettop.tui.bindings)."""
 

@@ -5,6 +5,7 @@ It sits above the core: the Supervisor never imports it back.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from fleettop.supervisor.core.freeze import freeze_pid, resume_pid
@@ -21,6 +22,26 @@ def _pid(req: dict[str, Any]) -> int | None:
     if isinstance(pid, bool) or not isinstance(pid, int | str) or not str(pid).isdigit():
         raise ValueError(f"pid must be a number, got {pid!r}")
     return int(pid)
+
+
+RELAX_POLICIES = ("warn", "block", "freeze", "kill")
+
+
+def _relax(sup: Supervisor, name: str, req: dict[str, Any]) -> dict[str, Any] | None:
+    """`resume --breaker warn --for 10m`: lower the breaker first, so the resumed agent's
+    next loop warns instead of freezing it again at once. An error reply, or None."""
+    from fleettop.supervisor.config.units import parse_duration
+
+    policy = str(req["breaker"])
+    if policy not in RELAX_POLICIES:
+        return {"ok": False, "error": f"breaker must be one of {', '.join(RELAX_POLICIES)}"}
+    seconds = parse_duration(str(req.get("for") or "10m"))
+    if name not in sup.agents:
+        return {"ok": False, "error": f"no agent named {name!r}"}
+    if not any(cap.relax_breaker(name, policy, time.time() + seconds)
+               for cap in sup.capabilities):
+        return {"ok": False, "error": f"{name} has no breaker to lower (not through the proxy)"}
+    return None
 
 
 async def dispatch(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
@@ -46,6 +67,10 @@ async def dispatch(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
                 return {"ok": False, "error": f"{cmd} needs a name or a pid"}
             if cmd == "freeze":
                 return await sup.freeze_agent(name, reason, source=req.get("source", "user"))
+            if req.get("breaker"):
+                refused = _relax(sup, name, req)
+                if refused is not None:
+                    return refused
             return await sup.resume_agent(name, reason, source=req.get("source", "user"))
         if cmd in ("restart", "stop", "start", "logs") and not name:
             return {"ok": False, "error": f"{cmd} needs an agent name"}

@@ -40,6 +40,10 @@ class Capability(Protocol):
         """Just before a frozen agent is thawed (e.g. lift the proxy's block first)."""
         return None
 
+    def relax_breaker(self, name: str, policy: str, until: float) -> bool:
+        """Until `until` (epoch s) this agent's trips take `policy`; True if it applies."""
+        return False
+
     async def after_reload(self, fleet: Fleet) -> None:
         """After the fleet file was re-read, before changed agents restart."""
         return None

@@ -411,6 +411,7 @@ class MetricsServer:
                                      status=401, headers={"WWW-Authenticate": "Bearer"})
         action = request.path.rsplit("/", 1)[-1]
         reason = "from the web view"
+        body: dict[str, Any] = {}
         if request.can_read_body:
             with contextlib.suppress(ValueError):
                 body = await request.json()
@@ -418,6 +419,9 @@ class MetricsServer:
                     reason = body["reason"][:200]
         req = {"cmd": action, "name": request.match_info["name"], "reason": reason,
                "source": "web"}
+        if action == "resume" and isinstance(body, dict) and isinstance(body.get("breaker"), str):
+            # {"breaker": "warn", "for": "10m"}: resume with a lower breaker for a while
+            req.update(breaker=body["breaker"], **{"for": str(body.get("for") or "10m")})
         reply = await self.client.command(req)
         if reply.get("ok"):
             return web.json_response(reply)

@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -472,6 +473,52 @@ async def test_repeated_trip_freeze_resume_cycles_do_not_stall(tmp_path, upstrea
                 if ev.kind == "breaker.released" and ev.agent == "cycler":
                     break
         assert link.stats.get("cycler") is None or link.stats["cycler"]["trips"] >= 11
+    finally:
+        sup.unsubscribe(events)
+        await sup.shutdown()
+        await link.stop()
+
+
+async def test_resume_with_a_lower_breaker_does_not_refreeze_at_once(tmp_path, upstream):
+    """A looping agent resumed the plain way is frozen again within ~2 s. Resumed with
+    `--breaker warn --for 10m`, its next loops are reported (policy warn) and it runs on;
+    its row says so until then."""
+    import asyncio
+
+    from fleettop.supervisor.capabilities.proxy import ProxyBreaker
+    from fleettop.supervisor.config.load import parse_fleet
+    from fleettop.supervisor.control.dispatch import dispatch
+    from fleettop.supervisor.core.supervisor import Supervisor
+
+    fleet = {"agents": {"looper": {"cmd": [sys.executable, "-c", LOOP_AGENT], "restart": "no",
+                                   "env": {"LOOP_UPSTREAM": upstream}}}}
+    text = json.dumps(fleet)
+    (tmp_path / "fleet.yaml").write_text(text)
+    sup = Supervisor(parse_fleet(text, str(tmp_path / "fleet.yaml")))
+    link = ProxyBreaker.for_fleet(sup)
+    sup.add(link)
+    await link.start()
+    events = sup.subscribe(maxsize=0)
+    await sup.start()
+    try:
+        async def next_event(kind: str) -> Any:
+            while True:
+                ev = await asyncio.wait_for(events.get(), 20)
+                if ev.kind == kind and ev.agent == "looper":
+                    return ev
+
+        await next_event("agent.frozen")
+        reply = await dispatch(sup, {"cmd": "resume", "name": "looper", "breaker": "warn",
+                                     "for": "10m"})
+        assert reply["ok"], reply
+        for _ in range(2):  # it loops on: reported, not frozen
+            trip = await next_event("breaker.trip")
+            assert trip.data["policy"] == "warn", trip.data
+        assert sup.agents["looper"].state.value == "running"
+        row = next(a for a in sup.snapshot()["agents"] if a["name"] == "looper")
+        assert row["breaker_relaxed"]["policy"] == "warn"
+        bad = await dispatch(sup, {"cmd": "resume", "name": "looper", "breaker": "nap"})
+        assert not bad["ok"] and "breaker must be one of" in bad["error"]
     finally:
         sup.unsubscribe(events)
         await sup.shutdown()

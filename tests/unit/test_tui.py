@@ -688,3 +688,15 @@ def test_trip_evidence_reads_as_rows_not_a_repr() -> None:
     assert "fingerprint 00000000000000a1" in text
     assert _evidence_value({"tier": "exact_period", "copies": 3}) == "tier exact_period  copies 3"
     assert _evidence_value("x" * 500).endswith("…") and len(_evidence_value("x" * 500)) == 118
+
+
+async def test_w_resumes_with_the_breaker_on_warn_for_ten_minutes() -> None:
+    h = Harness()
+    async with h.run() as pilot:
+        await h.ready(pilot)
+        await h.select(pilot, "indexer")  # frozen
+        await pilot.press("w")
+        await command_sent(pilot, h, {"cmd": "resume", "name": "indexer", "breaker": "warn",
+                                      "for": "10m"})
+    assert fmt.state_text({"state": "running", "breaker_relaxed": {
+        "policy": "warn", "until": 0}}).startswith("● run (warn ")
