@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fleettop.supervisor.base.files import atomic_write_json
+from fleettop.supervisor.base.periodic import every
 
 if TYPE_CHECKING:  # aiohttp loads with the first backend: the proxy only reads activity
     import aiohttp
@@ -414,11 +415,5 @@ class Evictor:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Tick every `interval` until `stop` is set; the next tick starts after this one."""
-        stop = stop or asyncio.Event()
-        while not stop.is_set():
-            try:
-                await self.tick()
-            except Exception as exc:  # noqa: BLE001 - the watchdog must outlive one bad read
-                self.emit("gpu.watchdog_error", None, str(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval)
+        await every(self.interval, self.tick, stop,
+                    lambda exc: self.emit("gpu.watchdog_error", None, str(exc)))

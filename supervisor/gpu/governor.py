@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fleettop.supervisor.base.files import atomic_write_json
+from fleettop.supervisor.base.periodic import every
 from fleettop.supervisor.config.gpu import GovernorSection
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -384,11 +385,5 @@ class Governor:
         atomic_write_json(self.state_path, self.state.to_json())
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        stop = stop or asyncio.Event()
-        while not stop.is_set():
-            try:
-                await self.step()
-            except Exception as exc:  # noqa: BLE001 - the governor must outlive one bad read
-                self.emit("governor.error", None, str(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.interval)
+        await every(self.config.interval, self.step, stop,
+                    lambda exc: self.emit("governor.error", None, str(exc)))
