@@ -137,6 +137,8 @@ class TelemetrySource:
         self._events: list[dict[str, Any]] = []
         self._proc: subprocess.Popen[bytes] | None = None
         self._procfs: ProcfsProbe | None = None
+        self._cpu_hist: dict[str, deque[tuple[float, int]]] = {}
+        """Per agent: (t, cgroup CPU ns) read at each sample (eBPF source)."""
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -259,19 +261,12 @@ class TelemetrySource:
             for agent, counters in agents.items():
                 if agent not in self._watched:
                     continue
-                if self.source == "ebpf":
-                    # sched_switch books on-CPU time when a task is switched out: a task that
-                    # stays on a CPU read 0, then a burst over 100%. The kernel's own count
-                    # for the cgroup is exact at every read; it is what top agrees with.
-                    exact = cgroup_cpu_ns(self._watched[agent][1])
-                    if exact is not None:
-                        counters = {**counters, "oncpu_ns": exact}
                 hist = self._hist.setdefault(agent, deque())
                 hist.append((t, counters))
                 while len(hist) > 2 and t - hist[1][0] >= RATE_WINDOW_S:
                     hist.popleft()
 
-    def sample(self) -> dict[str, AgentSample]:
+    def sample(self, now: float | None = None) -> dict[str, AgentSample]:
         """The latest figures per watched agent (procfs polls now; ebpf reads its buffer)."""
         if self._procfs is not None:
             with self._lock:
@@ -279,7 +274,29 @@ class TelemetrySource:
             if procfs is not None:
                 self._push(time.time(), procfs.read())
         with self._lock:
-            return {a: to_sample(a, self.source, h) for a, h in self._hist.items() if h}
+            out = {a: to_sample(a, self.source, h) for a, h in self._hist.items() if h}
+            watched = dict(self._watched)
+        if self.source == "ebpf":
+            self._exact_cpu(out, watched, time.time() if now is None else now)
+        return out
+
+    def _exact_cpu(self, out: dict[str, AgentSample],
+                   watched: dict[str, tuple[int, Path | None]], now: float) -> None:
+        """sched_switch books on-CPU time when a task is switched out: a task that stays on
+        a CPU read 0, then a burst over 100%. The kernel's own count for the cgroup is exact
+        at every read and is what top agrees with: read once per sample (not per kernel
+        report, ten a second), it replaces the eBPF figure."""
+        for agent, s in out.items():
+            exact = cgroup_cpu_ns(watched.get(agent, (0, None))[1])
+            if exact is None:
+                continue
+            hist = self._cpu_hist.setdefault(agent, deque())
+            hist.append((now, exact))
+            while len(hist) > 2 and now - hist[1][0] >= RATE_WINDOW_S:
+                hist.popleft()
+            (t0, c0), (t1, c1) = hist[0], hist[-1]
+            if t1 > t0:
+                s.cpu_percent = round(max(0, c1 - c0) / (t1 - t0) / 1e7, 1)
 
     def events(self) -> list[dict[str, Any]]:
         """Fork/exec/exit/oom events since the last call (ebpf only)."""

@@ -196,10 +196,12 @@ def test_ebpf_cpu_percent_is_the_cgroups_own_count(tmp_path: Path) -> None:
     cg = tmp_path / "agent"
     cg.mkdir()
     src = TelemetrySource(prefer="ebpf")
-    src.source = "ebpf"  # as if the loader were up; its samples arrive through _push
+    src.source = "ebpf"  # as if the loader were up; its reports arrive through _push
     src._watched["spin"] = (1, cg)
-    for t, usage_us, booked_ns in ((0.0, 0, 0), (1.0, 950_000, 0), (2.0, 1_900_000, 2_000_000_000)):
+    got: list[float] = []
+    for usage_us, booked_ns in ((0, 0), (950_000, 0), (1_900_000, 3_000_000_000)):
+        src._push(len(got), {"spin": {"oncpu_ns": booked_ns, "nprocs": 1, "pids": [1]}})
         (cg / "cpu.stat").write_text(f"usage_usec {usage_us}\nuser_usec {usage_us}\n")
-        src._push(t, {"spin": {"oncpu_ns": booked_ns, "nprocs": 1, "pids": [1]}})
-    assert src.sample()["spin"].cpu_percent == 95.0
+        got.append(src.sample(now=10.0 + len(got))["spin"].cpu_percent)
+    assert got[1:] == [95.0, 95.0], got  # not the 0 % and 300 % that eBPF booked
     assert cgroup_cpu_ns(None) is None and cgroup_cpu_ns(tmp_path / "gone") is None
