@@ -470,8 +470,10 @@ async def test_a_full_disk_is_one_event_and_logging_comes_back(tmp_path: Path,
     monkeypatch.setattr(logs, "RETRY_S", 0.3)
     state = tmp_path / "state"
     state.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state)],
-                   check=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
     try:
         text = {"state_dir": str(state), "agents": {"chatty": {
             "cmd": [sys.executable, "-c", CHATTY], "restart": "no"}}}
