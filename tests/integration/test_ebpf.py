@@ -32,6 +32,7 @@ pytestmark = [
 CHILD = """
 import os, sys, time
 sys.stdin.readline()
+t_go = time.process_time()  # the probe counts from here: the watch was in place before "go"
 action = sys.argv[1]
 if action == "spin":
     t = time.process_time()
@@ -65,7 +66,7 @@ elif action == "tree":
     if p == 0:
         os.kill(os.getpid(), 9)
     os.waitpid(p, 0)
-print(time.process_time(), flush=True)
+print(time.process_time() - t_go, flush=True)
 sys.exit(3)
 """
 
@@ -89,7 +90,8 @@ def run_child(probe: ebpf.KernelProbe, agent: str, action: str) -> tuple[dict, l
 def test_spin_cpu_matches_the_childs_own_accounting(probe):
     stats, events, out = run_child(probe, "spin", "spin")
     child_cpu_ns = float(out.split()[-1]) * 1e9
-    # The kernel's process_time and our sched_switch sum should agree within 15%.
+    # The kernel's process_time since "go" and our sched_switch sum should agree within 15%
+    # (its start-up before the watch was counted once, and on a loaded machine it is ~0.1 s).
     assert abs(stats["oncpu_ns"] - child_cpu_ns) < 0.15 * child_cpu_ns + 20e6, (stats, out)
     exits = [e for e in events if e["kind"] == "exit"]
     assert [(e["exit_code"], e["signal"]) for e in exits] == [(3, None)]
