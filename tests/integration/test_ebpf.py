@@ -196,7 +196,10 @@ def test_telemetry_source_uses_ebpf_in_a_separate_process():
         child = subprocess.Popen([sys.executable, "-c", CHILD, "spin"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
         src.watch("spin", child.pid)
-        time.sleep(0.3)  # let the watch command reach the loader before the child acts
+        deadline = time.monotonic() + 20  # the loader has the watch: it reports the child
+        while "spin" not in src.sample():
+            assert time.monotonic() < deadline, "the loader never reported the watched child"
+            time.sleep(0.05)
         child.communicate("go\n", timeout=30)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
