@@ -70,7 +70,7 @@ class FleettopApp(App[str | None]):
                  keymap: dict[str, str] | None = None) -> None:
         super().__init__()
         self.client = client
-        self.readonly = bool(readonly or getattr(client, "readonly", False))
+        self.readonly = bool(readonly or client.readonly)
         """Every mutating action is greyed out and refused."""
         self.refresh_s = max(0.1, float(refresh_s))
         self.keymap = dict(keymap or {})

@@ -220,6 +220,7 @@ class TelemetrySource:
         with self._lock:
             self._watched.pop(agent, None)
             self._hist.pop(agent, None)
+            self._cpu_hist.pop(agent, None)
             if self._procfs is not None:
                 self._procfs.unwatch(agent)
                 return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -27,7 +28,7 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str,
             fh.write(raw)
         os.replace(tmp, path)
     except BaseException:
-        with _suppress_missing():
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     return path
@@ -37,10 +38,3 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, mode: int | None =
                       indent: int | None = None) -> Path:
     return atomic_write(path, json.dumps(obj, indent=indent, default=str), mode)
 
-
-class _suppress_missing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> bool:
-        return kind is not None and issubclass(kind, FileNotFoundError)

@@ -439,24 +439,30 @@ while True:
 """
 
 
-async def test_repeated_trip_freeze_resume_cycles_do_not_stall(tmp_path, upstream):
-    """Regression (bench/proxy_trip.py stalled after ~10 cycles): a real agent through the
-    real Supervisor + ProxyBreaker trips, is frozen and resumed again and again. Resuming waits
-    for `agent.frozen` (the supervisor's freeze is complete), and every resume is accepted."""
-    import asyncio
-
+async def looping_fleet(tmp_path, upstream, name):
+    """A real Supervisor with its ProxyBreaker running, and one agent that loops forever."""
     from fleettop.supervisor.capabilities.proxy import ProxyBreaker
     from fleettop.supervisor.config.load import parse_fleet
     from fleettop.supervisor.core.supervisor import Supervisor
 
-    fleet = {"agents": {"cycler": {"cmd": [sys.executable, "-c", LOOP_AGENT], "restart": "no",
-                                   "env": {"LOOP_UPSTREAM": upstream}}}}
+    fleet = {"agents": {name: {"cmd": [sys.executable, "-c", LOOP_AGENT], "restart": "no",
+                               "env": {"LOOP_UPSTREAM": upstream}}}}
     text = json.dumps(fleet)
     (tmp_path / "fleet.yaml").write_text(text)
     sup = Supervisor(parse_fleet(text, str(tmp_path / "fleet.yaml")))
     link = ProxyBreaker.for_fleet(sup)
     sup.add(link)
     await link.start()
+    return sup, link
+
+
+async def test_repeated_trip_freeze_resume_cycles_do_not_stall(tmp_path, upstream):
+    """Regression (bench/proxy_trip.py stalled after ~10 cycles): a real agent through the
+    real Supervisor + ProxyBreaker trips, is frozen and resumed again and again. Resuming waits
+    for `agent.frozen` (the supervisor's freeze is complete), and every resume is accepted."""
+    import asyncio
+
+    sup, link = await looping_fleet(tmp_path, upstream, "cycler")
     events = sup.subscribe()
     await sup.start()
     try:
@@ -485,19 +491,9 @@ async def test_resume_with_a_lower_breaker_does_not_refreeze_at_once(tmp_path, u
     its row says so until then."""
     import asyncio
 
-    from fleettop.supervisor.capabilities.proxy import ProxyBreaker
-    from fleettop.supervisor.config.load import parse_fleet
     from fleettop.supervisor.control.dispatch import dispatch
-    from fleettop.supervisor.core.supervisor import Supervisor
 
-    fleet = {"agents": {"looper": {"cmd": [sys.executable, "-c", LOOP_AGENT], "restart": "no",
-                                   "env": {"LOOP_UPSTREAM": upstream}}}}
-    text = json.dumps(fleet)
-    (tmp_path / "fleet.yaml").write_text(text)
-    sup = Supervisor(parse_fleet(text, str(tmp_path / "fleet.yaml")))
-    link = ProxyBreaker.for_fleet(sup)
-    sup.add(link)
-    await link.start()
+    sup, link = await looping_fleet(tmp_path, upstream, "looper")
     events = sup.subscribe(maxsize=0)
     await sup.start()
     try:
